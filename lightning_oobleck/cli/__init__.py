@@ -1,0 +1,31 @@
+"""The ``oobleck`` command line: one sub-command per module, each with a ``register(subparsers)``."""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+
+# Sub-command modules; each defines ``register(subparsers)`` that adds its parsers and sets ``func``.
+_COMMAND_MODULES = ("lightning_oobleck.cli.plan",)
+
+
+class CliError(Exception):
+    """A user error: printed as one line, exit status 2."""
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="oobleck", description="Fault-tolerant pipeline training (Oobleck).")
+    sub = parser.add_subparsers(dest="command", required=True)
+    for name in _COMMAND_MODULES:
+        importlib.import_module(name).register(sub)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return int(args.func(args) or 0)
+    except (CliError, ValueError) as e:
+        print(f"oobleck {args.command}: error: {e}", file=sys.stderr)
+        return 2

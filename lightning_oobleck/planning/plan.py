@@ -1,0 +1,260 @@
+"""The plan: which pipelines run, on which nodes, with which layers and how many micro-batches.
+
+A :class:`Plan` is the contract between the planner (which makes it), the execution engine (which runs
+it) and recovery (which replaces it after failures). It is pure data: no torch, no torch.distributed.
+
+Identities used throughout the project:
+
+* a *node* is a failure domain, named by a stable integer id (``0..N-1`` at launch; ids of dead nodes
+  are never reused, nodes added later get fresh ids);
+* a *worker* is one device of one node, named ``(node, device)`` with ``0 <= device < gpus_per_node``;
+  one process drives one worker;
+* layer indices are global (``0..num_layers-1``), so a layer keeps its name in every layout.
+
+The JSON form (:meth:`Plan.to_dict`) is the schema printed by ``oobleck plan --json`` and read back by
+``oobleck replan --plan``; it is documented in the README.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+
+@dataclass(frozen=True)
+class Stage:
+    """Contiguous layers ``[first_layer, end_layer)`` run by one device of one node of a template."""
+
+    first_layer: int
+    end_layer: int
+    node: int
+    """Node index inside the template (``0..template.num_nodes-1``)."""
+    device: int = 0
+    """Device index inside that node (``0..gpus_per_node-1``)."""
+
+    @property
+    def layers(self) -> range:
+        return range(self.first_layer, self.end_layer)
+
+
+@dataclass(frozen=True)
+class PipelineTemplate:
+    """A complete pipeline layout for exactly ``num_nodes`` nodes.
+
+    ``stage_times_s[s]`` is the predicted steady-state time of stage ``s`` for one micro-batch
+    (forward + backward + its outgoing point-to-point transfers); the planner's cost model turns these
+    into the pipeline's iteration time for any micro-batch count (:meth:`iteration_time_s`).
+    """
+
+    num_nodes: int
+    gpus_per_node: int
+    stages: tuple[Stage, ...]
+    stage_times_s: tuple[float, ...]
+    stage_memory_bytes: tuple[float, ...] = ()
+
+    def __post_init__(self) -> None:
+        if len(self.stage_times_s) != len(self.stages):
+            raise ValueError("a template needs one stage time per stage")
+
+    @property
+    def num_layers(self) -> int:
+        return self.stages[-1].end_layer
+
+    def iteration_time_s(self, microbatches: int) -> float:
+        """1F1B iteration time for ``microbatches`` micro-batches.
+
+        ``T(m) = sum_s t_s + (m - 1) * max_s t_s``: the first micro-batch crosses every stage once
+        (fill and drain), every further one costs the slowest stage's time (steady state).
+        """
+        if microbatches <= 0:
+            return 0.0
+        return sum(self.stage_times_s) + (microbatches - 1) * max(self.stage_times_s)
+
+
+@dataclass(frozen=True)
+class Pipeline:
+    """One instantiated template: template node ``i`` runs on cluster node ``nodes[i]``."""
+
+    template: PipelineTemplate
+    nodes: tuple[int, ...]
+    microbatches: int
+
+    def __post_init__(self) -> None:
+        if len(self.nodes) != self.template.num_nodes:
+            raise ValueError(
+                f"a pipeline of a {self.template.num_nodes}-node template needs "
+                f"{self.template.num_nodes} nodes, got {len(self.nodes)}"
+            )
+
+    @property
+    def stages(self) -> tuple[Stage, ...]:
+        return self.template.stages
+
+    def worker_of_stage(self, stage: int) -> tuple[int, int]:
+        """The ``(node, device)`` worker that runs stage ``stage`` of this pipeline."""
+        s = self.template.stages[stage]
+        return self.nodes[s.node], s.device
+
+    def iteration_time_s(self) -> float:
+        return self.template.iteration_time_s(self.microbatches)
+
+
+@dataclass(frozen=True)
+class WorkerRole:
+    """What one worker does under a plan: stage ``stage`` of pipeline ``pipeline``."""
+
+    pipeline: int
+    stage: int
+    layers: range
+
+
+@dataclass(frozen=True)
+class LayerCopy:
+    """After a reconfiguration, ``to_node`` must newly hold ``layer``; ``from_node`` has a replica."""
+
+    layer: int
+    to_node: int
+    from_node: int
+
+
+@dataclass(frozen=True)
+class Plan:
+    """A full training layout for one cluster membership."""
+
+    num_layers: int
+    gpus_per_node: int
+    fault_tolerance: int
+    n0: int
+    microbatch_size: int
+    global_batch_size: int
+    templates: tuple[PipelineTemplate, ...]
+    pipelines: tuple[Pipeline, ...]
+    iteration_time_s: float = 0.0
+    planning_s: float = 0.0
+    extra: dict[str, Any] = field(default_factory=dict, compare=False, hash=False)
+    """Planner inputs needed to replan from JSON alone (profile, options); opaque to execution."""
+
+    # ------------------------------------------------------------------ derived views
+    @property
+    def num_microbatches(self) -> int:
+        return self.global_batch_size // self.microbatch_size
+
+    @property
+    def nodes(self) -> tuple[int, ...]:
+        """All cluster node ids this plan uses, sorted."""
+        return tuple(sorted(n for p in self.pipelines for n in p.nodes))
+
+    @property
+    def workers(self) -> tuple[tuple[int, int], ...]:
+        """All ``(node, device)`` workers, sorted: the rank order of a process group for this plan."""
+        return tuple((n, d) for n in self.nodes for d in range(self.gpus_per_node))
+
+    def microbatch_range(self, pipeline: int) -> range:
+        """Global micro-batch indices given to ``pipeline`` (consecutive, in pipeline order).
+
+        Micro-batch ``k`` of a step holds samples ``[k*b, (k+1)*b)`` of the global batch, so every
+        sample goes to exactly one pipeline.
+        """
+        start = sum(p.microbatches for p in self.pipelines[:pipeline])
+        return range(start, start + self.pipelines[pipeline].microbatches)
+
+    def role(self, node: int, device: int = 0) -> WorkerRole:
+        """The single stage that worker ``(node, device)`` runs."""
+        for pi, p in enumerate(self.pipelines):
+            for si, s in enumerate(p.stages):
+                if p.worker_of_stage(si) == (node, device):
+                    return WorkerRole(pi, si, s.layers)
+        raise KeyError(f"worker (node={node}, device={device}) has no stage in this plan")
+
+    def layer_owners(self, layer: int) -> tuple[tuple[int, int], ...]:
+        """The workers holding a replica of ``layer``, one per pipeline, in pipeline order."""
+        return tuple(p.worker_of_stage(si) for p in self.pipelines for si in self._stages_of(p, layer))
+
+    @staticmethod
+    def _stages_of(p: Pipeline, layer: int) -> Iterator[int]:
+        for si, s in enumerate(p.stages):
+            if s.first_layer <= layer < s.end_layer:
+                yield si
+
+    # ------------------------------------------------------------------ JSON
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "num_layers": self.num_layers,
+            "gpus_per_node": self.gpus_per_node,
+            "n0": self.n0,
+            "fault_tolerance": self.fault_tolerance,
+            "microbatch_size": self.microbatch_size,
+            "global_batch_size": self.global_batch_size,
+            "templates": [_template_to_dict(t) for t in self.templates],
+            "pipelines": [
+                {
+                    "template_nodes": p.template.num_nodes,
+                    "nodes": list(p.nodes),
+                    "microbatches": p.microbatches,
+                    "iteration_time_s": p.iteration_time_s(),
+                }
+                for p in self.pipelines
+            ],
+            "iteration_time_s": self.iteration_time_s,
+            "planning_s": self.planning_s,
+            **({"extra": self.extra} if self.extra else {}),
+        }
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> Plan:
+        gpus = int(d["gpus_per_node"])
+        templates = tuple(_template_from_dict(t, gpus) for t in d["templates"])
+        by_size = {t.num_nodes: t for t in templates}
+        pipelines = []
+        for p in d["pipelines"]:
+            size = int(p["template_nodes"])
+            if size not in by_size:
+                raise ValueError(f"pipeline refers to a {size}-node template that the plan does not have")
+            pipelines.append(Pipeline(by_size[size], tuple(int(n) for n in p["nodes"]), int(p["microbatches"])))
+        return cls(
+            num_layers=int(d["num_layers"]),
+            gpus_per_node=gpus,
+            fault_tolerance=int(d["fault_tolerance"]),
+            n0=int(d["n0"]),
+            microbatch_size=int(d["microbatch_size"]),
+            global_batch_size=int(d["global_batch_size"]),
+            templates=templates,
+            pipelines=tuple(pipelines),
+            iteration_time_s=float(d.get("iteration_time_s", 0.0)),
+            planning_s=float(d.get("planning_s", 0.0)),
+            extra=dict(d.get("extra", {})),
+        )
+
+    def to_json(self) -> str:
+        return json.dumps(self.to_dict(), indent=2)
+
+    @classmethod
+    def load(cls, path: str | Path) -> Plan:
+        return cls.from_dict(json.loads(Path(path).read_text()))
+
+
+def _template_to_dict(t: PipelineTemplate) -> dict[str, Any]:
+    return {
+        "nodes": t.num_nodes,
+        "stages": [
+            {"layers": [s.first_layer, s.end_layer], "node": s.node, "device": s.device} for s in t.stages
+        ],
+        "stage_times_s": list(t.stage_times_s),
+        "stage_memory_bytes": list(t.stage_memory_bytes),
+        "iteration_time_s": t.iteration_time_s(max(1, len(t.stages))),
+    }
+
+
+def _template_from_dict(d: dict[str, Any], gpus_per_node: int) -> PipelineTemplate:
+    stages = tuple(Stage(int(s["layers"][0]), int(s["layers"][1]), int(s["node"]), int(s.get("device", 0)))
+                   for s in d["stages"])
+    return PipelineTemplate(
+        num_nodes=int(d["nodes"]),
+        gpus_per_node=gpus_per_node,
+        stages=stages,
+        stage_times_s=tuple(float(x) for x in d["stage_times_s"]),
+        stage_memory_bytes=tuple(float(x) for x in d.get("stage_memory_bytes", ())),
+    )
