@@ -7,7 +7,10 @@ import importlib
 import sys
 
 # Sub-command modules; each defines ``register(subparsers)`` that adds its parsers and sets ``func``.
-_COMMAND_MODULES = ("lightning_oobleck.cli.plan",)
+_COMMAND_MODULES = (
+    "lightning_oobleck.cli.plan",
+    "lightning_oobleck.cli.submit",
+)
 
 
 class CliError(Exception):

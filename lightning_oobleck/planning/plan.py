@@ -54,6 +54,8 @@ class PipelineTemplate:
     stages: tuple[Stage, ...]
     stage_times_s: tuple[float, ...]
     stage_memory_bytes: tuple[float, ...] = ()
+    microbatches: int = 0
+    """The micro-batch count the split was optimised for (0: unknown)."""
 
     def __post_init__(self) -> None:
         if len(self.stage_times_s) != len(self.stages):
@@ -113,11 +115,14 @@ class WorkerRole:
 
 @dataclass(frozen=True)
 class LayerCopy:
-    """After a reconfiguration, ``to_node`` must newly hold ``layer``; ``from_node`` has a replica."""
+    """After a reconfiguration, worker ``(to_node, to_device)`` must newly hold ``layer`` (parameters and
+    optimizer state); worker ``(from_node, from_device)`` held a replica under the previous plan."""
 
     layer: int
     to_node: int
     from_node: int
+    to_device: int = 0
+    from_device: int = 0
 
 
 @dataclass(frozen=True)
@@ -134,6 +139,8 @@ class Plan:
     pipelines: tuple[Pipeline, ...]
     iteration_time_s: float = 0.0
     planning_s: float = 0.0
+    warnings: tuple[str, ...] = ()
+    """Planner notes a user must see (e.g. a fault tolerance lowered after failures)."""
     extra: dict[str, Any] = field(default_factory=dict, compare=False, hash=False)
     """Planner inputs needed to replan from JSON alone (profile, options); opaque to execution."""
 
@@ -200,6 +207,7 @@ class Plan:
             ],
             "iteration_time_s": self.iteration_time_s,
             "planning_s": self.planning_s,
+            "warnings": list(self.warnings),
             **({"extra": self.extra} if self.extra else {}),
         }
 
@@ -213,7 +221,9 @@ class Plan:
             size = int(p["template_nodes"])
             if size not in by_size:
                 raise ValueError(f"pipeline refers to a {size}-node template that the plan does not have")
-            pipelines.append(Pipeline(by_size[size], tuple(int(n) for n in p["nodes"]), int(p["microbatches"])))
+            pipelines.append(
+                Pipeline(by_size[size], tuple(int(n) for n in p["nodes"]), int(p["microbatches"]))
+            )
         return cls(
             num_layers=int(d["num_layers"]),
             gpus_per_node=gpus,
@@ -225,6 +235,7 @@ class Plan:
             pipelines=tuple(pipelines),
             iteration_time_s=float(d.get("iteration_time_s", 0.0)),
             planning_s=float(d.get("planning_s", 0.0)),
+            warnings=tuple(str(w) for w in d.get("warnings", ())),
             extra=dict(d.get("extra", {})),
         )
 
@@ -233,7 +244,13 @@ class Plan:
 
     @classmethod
     def load(cls, path: str | Path) -> Plan:
-        return cls.from_dict(json.loads(Path(path).read_text()))
+        """Read a plan written by :meth:`to_json` (``oobleck plan --json``)."""
+        try:
+            return cls.from_dict(json.loads(Path(path).read_text()))
+        except (KeyError, TypeError, IndexError) as e:
+            raise ValueError(
+                f"{path} is not a plan ({e!r} missing or malformed): write one with `oobleck plan --json`"
+            ) from e
 
 
 def _template_to_dict(t: PipelineTemplate) -> dict[str, Any]:
@@ -244,17 +261,21 @@ def _template_to_dict(t: PipelineTemplate) -> dict[str, Any]:
         ],
         "stage_times_s": list(t.stage_times_s),
         "stage_memory_bytes": list(t.stage_memory_bytes),
-        "iteration_time_s": t.iteration_time_s(max(1, len(t.stages))),
+        "microbatches": t.microbatches,
+        "iteration_time_s": t.iteration_time_s(t.microbatches or len(t.stages)),
     }
 
 
 def _template_from_dict(d: dict[str, Any], gpus_per_node: int) -> PipelineTemplate:
-    stages = tuple(Stage(int(s["layers"][0]), int(s["layers"][1]), int(s["node"]), int(s.get("device", 0)))
-                   for s in d["stages"])
+    stages = tuple(
+        Stage(int(s["layers"][0]), int(s["layers"][1]), int(s["node"]), int(s.get("device", 0)))
+        for s in d["stages"]
+    )
     return PipelineTemplate(
         num_nodes=int(d["nodes"]),
         gpus_per_node=gpus_per_node,
         stages=stages,
         stage_times_s=tuple(float(x) for x in d["stage_times_s"]),
         stage_memory_bytes=tuple(float(x) for x in d.get("stage_memory_bytes", ())),
+        microbatches=int(d.get("microbatches", 0)),
     )

@@ -1,0 +1,150 @@
+"""Train a small GPT with ``Trainer(strategy="oobleck")``: 4 local CPU processes, out of the box.
+
+    python examples/gpt/train.py                                  # config.yaml as it is
+    python examples/gpt/train.py --devices 6 --fault-tolerance 2  # 3+ pipelines over 6 processes
+    python examples/gpt/train.py --max-steps 50 --precision bf16-mixed strategy.microbatch_size=2
+
+Settings come from ``--config`` (default: ``config.yaml`` beside this file), then ``key=value`` dot-list
+overrides (``trainer.max_steps=100``, ``strategy.global_batch_size=64``), then the flags.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+from pathlib import Path
+from typing import Any
+
+import lightning as L
+import torch
+from data import CharWindows, make_corpus
+from model import GPTConfig, gpt_layers, gpt_loss
+from omegaconf import DictConfig, OmegaConf
+from rich.console import Console
+from rich.table import Table
+from torch import nn
+from torch.utils.data import DataLoader
+
+from lightning_oobleck.lightning import OobleckStrategy, PipelineModule
+from lightning_oobleck.planning.plan import Plan
+
+DEFAULT_CONFIG = Path(__file__).with_name("config.yaml")
+
+
+class GPT(PipelineModule, L.LightningModule):
+    """The GPT of ``model.py`` as a LightningModule: its layers, its loss, AdamW with warm-up."""
+
+    def __init__(self, model: dict[str, Any], optim: dict[str, Any], microbatch_size: int) -> None:
+        super().__init__()
+        self.save_hyperparameters()
+        self.config = GPTConfig(**model)
+        # One micro-batch of inputs: what the strategy profiles each layer with before planning.
+        self.example_input_array = torch.zeros(microbatch_size, self.config.seq_len, dtype=torch.long)
+
+    def configure_layers(self) -> list[nn.Module]:
+        return gpt_layers(self.config)
+
+    def compute_loss(self, output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        return gpt_loss(output, target)
+
+    def configure_optimizers(self) -> Any:
+        optim = self.hparams["optim"]
+        optimizer = torch.optim.AdamW(self.parameters(), lr=optim["lr"], weight_decay=optim["weight_decay"])
+        warmup = max(1, optim["warmup_steps"])
+        total = max(warmup + 1, self.trainer.max_steps)
+
+        def schedule(step: int) -> float:  # linear warm-up, then cosine decay to 10%
+            if step < warmup:
+                return (step + 1) / warmup
+            return 0.1 + 0.45 * (1 + math.cos(math.pi * min(1.0, (step - warmup) / (total - warmup))))
+
+        scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, schedule)
+        return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
+
+
+class PrintPlan(L.Callback):
+    """Print the plan the strategy runs, once, from global rank 0."""
+
+    def on_fit_start(self, trainer: L.Trainer, module: L.LightningModule) -> None:
+        if trainer.is_global_zero and isinstance(trainer.strategy, OobleckStrategy):
+            Console().print(plan_table(trainer.strategy.plan))
+
+
+def plan_table(plan: Plan) -> Table:
+    table = Table(
+        title=f"Oobleck plan: {len(plan.pipelines)} pipelines, f={plan.fault_tolerance}, "
+        f"global batch {plan.global_batch_size} = {plan.num_microbatches} x {plan.microbatch_size}"
+    )
+    for name in ("pipeline", "nodes", "stages (layers per node)", "micro-batches", "samples"):
+        table.add_column(name, justify="left" if name.startswith("stages") else "right")
+    for i, p in enumerate(plan.pipelines):
+        stages = " | ".join(f"{s.first_layer}-{s.end_layer - 1}" for s in p.stages)
+        samples = plan.microbatch_range(i)
+        table.add_row(
+            str(i),
+            ", ".join(map(str, p.nodes)),
+            stages,
+            str(p.microbatches),
+            f"{samples.start * plan.microbatch_size}-{samples.stop * plan.microbatch_size - 1}",
+        )
+    return table
+
+
+def parse_args(argv: list[str] | None = None) -> tuple[argparse.Namespace, DictConfig]:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--config", type=Path, default=DEFAULT_CONFIG, help="YAML file (default: %(default)s)")
+    parser.add_argument("--devices", type=int, help="local processes (trainer.devices)")
+    parser.add_argument("--max-steps", type=int, help="optimizer steps (trainer.max_steps)")
+    parser.add_argument("--precision", help="32-true, 64-true or bf16-mixed (trainer.precision)")
+    parser.add_argument("--fault-tolerance", type=int, help="node failures to survive (strategy.fault_tolerance)")
+    parser.add_argument("overrides", nargs="*", help="dot-list overrides, e.g. strategy.microbatch_size=2")
+    args = parser.parse_args(argv)
+    cfg = OmegaConf.merge(OmegaConf.load(args.config), OmegaConf.from_dotlist(args.overrides))
+    flags = {
+        "trainer.devices": args.devices,
+        "trainer.max_steps": args.max_steps,
+        "trainer.precision": args.precision,
+        "strategy.fault_tolerance": args.fault_tolerance,
+    }
+    for key, value in flags.items():
+        if value is not None:
+            OmegaConf.update(cfg, key, value)
+    assert isinstance(cfg, DictConfig)
+    return args, cfg
+
+
+def loaders(cfg: DictConfig) -> tuple[DataLoader, DataLoader]:
+    text = make_corpus(cfg.data.num_chars, cfg.data.seed)
+    split = int(len(text) * (1 - cfg.data.val_fraction))
+    batch = cfg.strategy.global_batch_size
+    train = CharWindows(text[:split], cfg.model.seq_len)
+    val = CharWindows(text[split:], cfg.model.seq_len)
+    return DataLoader(train, batch_size=batch, shuffle=True), DataLoader(val, batch_size=batch)
+
+
+def main(argv: list[str] | None = None) -> None:
+    _, cfg = parse_args(argv)
+    trainer_cfg = OmegaConf.to_container(cfg.trainer)
+    assert isinstance(trainer_cfg, dict)
+    model = GPT(
+        OmegaConf.to_container(cfg.model),  # type: ignore[arg-type]
+        OmegaConf.to_container(cfg.optim),  # type: ignore[arg-type]
+        cfg.strategy.microbatch_size,
+    )
+    trainer = L.Trainer(
+        accelerator="cpu",
+        strategy=OobleckStrategy.from_config(cfg.strategy),
+        callbacks=[PrintPlan()],
+        logger=False,
+        enable_checkpointing=False,
+        num_sanity_val_steps=0,
+        **trainer_cfg,
+    )
+    train_loader, val_loader = loaders(cfg)
+    trainer.fit(model, train_loader, val_loader)
+    metrics = {k: f"{float(v):.4f}" for k, v in sorted(trainer.callback_metrics.items())}
+    Console().print(f"done: {trainer.global_step} steps, {metrics}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,166 @@
+"""``oobleck plan`` and ``oobleck replan``: size a cluster, and see the plan after failures or joins.
+
+``oobleck plan`` prints the templates (stages per node) and the pipelines (nodes, micro-batches,
+predicted time) of the fastest plan with at least ``f + 1`` pipelines; ``--json`` prints the plan's
+JSON (the schema in the README), which ``oobleck replan --plan`` reads back with ``--fail`` or
+``--add``. Bad input exits with status 2 and one line naming the problem and the fix.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+from rich.console import Console
+from rich.table import Table
+
+from lightning_oobleck.cli import CliError
+from lightning_oobleck.config import load_config
+from lightning_oobleck.planning.config import PlannerConfig
+from lightning_oobleck.planning.plan import Plan
+from lightning_oobleck.planning.planner import make_plan
+from lightning_oobleck.planning.reconfigure import Reconfiguration, after_failures, after_joins
+
+_FLAG_KEYS = {
+    "layers": "model.layers",
+    "nodes": "cluster.num_nodes",
+    "gpus_per_node": "cluster.gpus_per_node",
+    "fault_tolerance": "fault_tolerance",
+    "global_batch": "global_batch",
+    "microbatch": "microbatch",
+    "profile": "profile",
+}
+"""Command-line flags and the configuration keys they override."""
+
+
+def register(subparsers: argparse._SubParsersAction) -> None:
+    """Add ``oobleck plan`` and ``oobleck replan`` to the ``oobleck`` command."""
+    plan = subparsers.add_parser(
+        "plan", help="plan pipelines for a cluster", description="Plan pipelines with the f+1 guarantee."
+    )
+    plan.add_argument("--layers", type=int, help="layers of the synthetic GPT model (model.layers)")
+    plan.add_argument("--nodes", type=int, help="nodes in the cluster (cluster.num_nodes)")
+    plan.add_argument("--gpus-per-node", type=int, help="GPUs per node (cluster.gpus_per_node)")
+    plan.add_argument("--fault-tolerance", type=int, help="simultaneous node failures to survive (f)")
+    plan.add_argument("--global-batch", type=int, help="samples per optimizer step (B)")
+    plan.add_argument("--microbatch", type=int, help="samples per micro-batch (b)")
+    plan.add_argument("--profile", help="measured layer profile JSON (replaces the synthetic model)")
+    plan.add_argument("--config", help="YAML file with planner settings (PlannerConfig)")
+    plan.add_argument(
+        "--set",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="any setting, e.g. cluster.device_memory_bytes=80e9",
+    )
+    plan.add_argument("--json", action="store_true", help="print the plan as JSON")
+    plan.set_defaults(func=run_plan)
+
+    replan = subparsers.add_parser(
+        "replan", help="the plan after node failures or joins", description="Replan from a plan's JSON."
+    )
+    replan.add_argument("--plan", required=True, help="plan JSON written by `oobleck plan --json`")
+    change = replan.add_mutually_exclusive_group(required=True)
+    change.add_argument("--fail", help="comma-separated ids of failed nodes, e.g. 3,7")
+    change.add_argument("--add", type=int, help="number of nodes joining (they get fresh ids)")
+    replan.add_argument("--json", action="store_true", help="print the new plan and its copies as JSON")
+    replan.set_defaults(func=run_replan)
+
+
+def run_plan(args: argparse.Namespace) -> int:
+    overrides = list(args.set)
+    overrides += [
+        f"{key}={getattr(args, flag)}" for flag, key in _FLAG_KEYS.items() if getattr(args, flag) is not None
+    ]
+    config = load_config(PlannerConfig, args.config, overrides)
+    profile = config.load_profile()
+    if args.layers is not None and profile.num_layers != args.layers:
+        raise CliError(
+            f"--layers {args.layers} but the profile has {profile.num_layers} layers: drop --layers"
+        )
+    plan = make_plan(
+        profile,
+        config.cluster,
+        fault_tolerance=config.fault_tolerance,
+        global_batch_size=config.global_batch,
+        microbatch_size=config.microbatch,
+        state_factor=config.state_factor,
+        exact_limit=config.exact_limit,
+    )
+    _print(plan.to_dict(), plan, args.json)
+    return 0
+
+
+def run_replan(args: argparse.Namespace) -> int:
+    if not Path(args.plan).is_file():
+        raise CliError(f"plan file {args.plan} not found: write one with `oobleck plan --json > PLAN.json`")
+    plan = Plan.load(args.plan)
+    if args.fail is not None:
+        try:
+            failed = [int(x) for x in args.fail.split(",") if x.strip()]
+        except ValueError as e:
+            raise CliError(f"--fail takes comma-separated node ids such as 3,7, got {args.fail!r}") from e
+        result = after_failures(plan, failed)
+    else:
+        result = after_joins(plan, args.add)
+    _print(result.to_dict(), result.plan, args.json, result)
+    return 0
+
+
+def _print(data: dict, plan: Plan, as_json: bool, result: Reconfiguration | None = None) -> None:
+    if as_json:
+        print(json.dumps(data, indent=2))
+        return
+    console = Console()
+    console.print(_templates_table(plan))
+    console.print(_pipelines_table(plan))
+    if result is not None:
+        console.print(_copies_table(result))
+    console.print(
+        f"n0={plan.n0}  f={plan.fault_tolerance}  pipelines={len(plan.pipelines)}  "
+        f"micro-batches={plan.num_microbatches}  iteration {plan.iteration_time_s:.3f} s  "
+        f"planned in {plan.planning_s:.3f} s"
+    )
+    for warning in plan.warnings:
+        console.print(f"[yellow]warning:[/yellow] {warning}")
+
+
+def _templates_table(plan: Plan) -> Table:
+    table = Table(title="Pipeline templates")
+    table.add_column("nodes", justify="right")
+    table.add_column("stages: [first, end) layers per GPU, by node")
+    table.add_column("micro-batches", justify="right")
+    table.add_column("iteration (s)", justify="right")
+    for t in plan.templates:
+        by_node = [
+            " ".join(f"{s.first_layer}-{s.end_layer}" for s in t.stages if s.node == n)
+            for n in range(t.num_nodes)
+        ]
+        m = t.microbatches or len(t.stages)
+        table.add_row(str(t.num_nodes), " | ".join(by_node), str(m), f"{t.iteration_time_s(m):.3f}")
+    return table
+
+
+def _pipelines_table(plan: Plan) -> Table:
+    table = Table(title="Pipelines")
+    for name in ("#", "template nodes", "cluster nodes", "micro-batches", "predicted (s)"):
+        table.add_column(name, justify="right" if name != "cluster nodes" else "left")
+    for i, p in enumerate(plan.pipelines):
+        table.add_row(
+            str(i),
+            str(p.template.num_nodes),
+            ", ".join(map(str, p.nodes)),
+            str(p.microbatches),
+            f"{p.iteration_time_s():.3f}",
+        )
+    return table
+
+
+def _copies_table(result: Reconfiguration) -> Table:
+    table = Table(title=f"Layer copies ({len(result.copies)})")
+    for name in ("layer", "to node:gpu", "from node:gpu"):
+        table.add_column(name, justify="right")
+    for c in result.copies:
+        table.add_row(str(c.layer), f"{c.to_node}:{c.to_device}", f"{c.from_node}:{c.from_device}")
+    return table

@@ -1,0 +1,95 @@
+"""``oobleck timeline RUN.jsonl [-o out.png]``: throughput over time with failures and recoveries.
+
+Reads an event file written by :class:`~lightning_oobleck.recovery.events.EventLog` and draws samples/s
+per step against time since the first step, a marker where each failure was detected (and where it
+happened, when known), one where training resumed, and the recovery interval shaded between them.
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+from pathlib import Path
+from typing import Any
+
+from lightning_oobleck.recovery.events import RecoveryEvent, read_events
+
+
+def register(subparsers: Any) -> None:
+    parser = subparsers.add_parser(
+        "timeline",
+        help="plot throughput over time with failure and recovery markers",
+        description="Plot samples/s over time from an oobleck event file (JSONL), with failure markers.",
+    )
+    parser.add_argument("events", type=Path, metavar="RUN.jsonl", help="event file written during training")
+    parser.add_argument("-o", "--output", type=Path, help="PNG to write (default: RUN.png beside the input)")
+    parser.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    from lightning_oobleck.cli import CliError
+
+    if not args.events.is_file():
+        raise CliError(f"no event file at {args.events}: pass the JSONL file the training run wrote")
+    steps, recoveries = read_events(args.events)
+    if len(steps) < 2:
+        raise CliError(f"{args.events} has {len(steps)} step records: at least 2 are needed for a throughput")
+    output = args.output or args.events.with_suffix(".png")
+    draw_timeline(steps, recoveries, output, title=args.events.name)
+    print(f"wrote {output} ({len(steps)} steps, {len(recoveries)} recoveries)")
+    return 0
+
+
+def draw_timeline(
+    steps: list[dict[str, Any]], recoveries: list[RecoveryEvent], output: Path, title: str = ""
+) -> None:
+    """Write the throughput timeline PNG (matplotlib, Agg backend: no display needed)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    t0 = steps[0]["time"]
+    # Throughput between consecutive step ends (so time lost to a recovery shows as a dip), from step 2 on.
+    times = [s["time"] - t0 for s in steps[1:]]
+    rates = [s["samples"] / max(s["time"] - p["time"], 1e-9) for p, s in itertools.pairwise(steps)]
+
+    fig, ax = plt.subplots(figsize=(10, 4.5), dpi=120)
+    ax.plot(times, rates, color="tab:blue", marker=".", linewidth=1.2, label="throughput")
+    for i, event in enumerate(recoveries):
+        first = i == 0
+        if event.failed_at is not None:
+            ax.axvline(event.failed_at - t0, color="black", linestyle=":", label="failure" if first else None)
+        if event.detected_at is not None:
+            ax.axvline(
+                event.detected_at - t0,
+                color="tab:red",
+                linestyle="--",
+                label="failure detected" if first else None,
+            )
+        if event.resumed_at is not None:
+            ax.axvline(
+                event.resumed_at - t0, color="tab:green", linestyle="-", label="resumed" if first else None
+            )
+            start = event.failed_at if event.failed_at is not None else event.detected_at
+            if start is not None:
+                ax.axvspan(start - t0, event.resumed_at - t0, color="tab:orange", alpha=0.25)
+                lost = ", ".join(str(n) for n in sorted({n for n, _ in event.removed}))
+                change = f"lost node {lost}" if lost else f"{len(event.added)} worker(s) joined"
+                ax.annotate(
+                    f"generation {event.generation}\n{change}\nrecovered in {event.resumed_at - start:.2f} s",
+                    xy=(event.resumed_at - t0, max(rates)),
+                    xytext=(4, -4),
+                    textcoords="offset points",
+                    va="top",
+                    fontsize=8,
+                )
+    ax.set_xlabel("time since start (s)")
+    ax.set_ylabel("samples / s")
+    ax.set_ylim(bottom=0, top=max(rates) * 1.15)
+    ax.set_title(f"throughput and recoveries: {title}" if title else "throughput and recoveries")
+    ax.grid(alpha=0.3)
+    ax.legend(loc="lower left", fontsize=8)
+    fig.tight_layout()
+    fig.savefig(output)
+    plt.close(fig)

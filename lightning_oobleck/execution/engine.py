@@ -1,0 +1,194 @@
+"""Run one worker's stage of a plan: training and evaluation steps equal to single-device training.
+
+Each pipeline gets ``m_p`` consecutive micro-batches of the global batch (``Plan.microbatch_range``);
+the first stage of a pipeline feeds its share in, the last stage computes the loss of each micro-batch
+scaled by ``b / B`` and back-propagates it; after the stage's last backward the gradient sync sums each
+layer over its replicas. The gradients left in ``.grad`` are then exactly those of single-device
+training on the whole global batch with a mean loss.
+"""
+
+from __future__ import annotations
+
+import threading
+
+import torch
+from torch import Tensor
+
+from lightning_oobleck.execution.grad_sync import GradientSync
+from lightning_oobleck.execution.process_groups import ProcessGroups
+from lightning_oobleck.execution.schedule import LossFn, StageContext, run_eval, run_train
+from lightning_oobleck.execution.stage import LayerSource, StageModule, build_stage, resolve_layers
+from lightning_oobleck.planning.plan import Plan
+
+
+def pipeline_batch_slice(plan: Plan, pipeline: int) -> slice:
+    """The samples of the global batch that pipeline ``pipeline`` trains on in every step."""
+    mbs = plan.microbatch_range(pipeline)
+    return slice(mbs.start * plan.microbatch_size, mbs.stop * plan.microbatch_size)
+
+
+def check_plan(plan: Plan, num_layers: int) -> None:
+    """Refuse a plan the model cannot run with, naming what to change."""
+    b, big_b = plan.microbatch_size, plan.global_batch_size
+    if b <= 0 or big_b % b != 0:
+        raise ValueError(
+            f"the micro-batch size {b} does not divide the global batch size {big_b}; "
+            "choose a micro-batch size that divides it"
+        )
+    if plan.num_layers != num_layers:
+        raise ValueError(
+            f"the plan is for a model of {plan.num_layers} layers but the model has {num_layers}; "
+            "make the plan from this model's profile"
+        )
+    given = sum(p.microbatches for p in plan.pipelines)
+    if given != plan.num_microbatches:
+        raise ValueError(
+            f"the plan's pipelines take {given} micro-batches per step, but the global batch has "
+            f"{plan.num_microbatches}; the plan is inconsistent, re-run the planner"
+        )
+    for p in plan.pipelines:
+        owned = [layer for s in p.stages for layer in s.layers]
+        if owned != list(range(num_layers)) or any(s.first_layer >= s.end_layer for s in p.stages):
+            bounds = [(s.first_layer, s.end_layer) for s in p.stages]
+            raise ValueError(
+                f"a {p.template.num_nodes}-node template's stages {bounds} do not split layers "
+                f"0..{num_layers - 1} into contiguous non-empty ranges"
+            )
+
+
+class PipelineEngine:
+    """One worker's stage of a plan: builds its layers and runs training/evaluation steps.
+
+    ``layers_or_factory``: the model as an ordered sequence of layers or a factory returning one (called
+    on the meta device, so only owned layers are materialised). ``loss_fn(output, targets)`` returns the
+    mean loss of one micro-batch. ``abort``: set it (e.g. from a heartbeat thread) to make a blocked
+    step raise :class:`~lightning_oobleck.execution.errors.PeerFailure` promptly.
+
+    Gradients accumulate into ``.grad`` like plain PyTorch: zero them between steps.
+    """
+
+    def __init__(
+        self,
+        layers_or_factory: LayerSource,
+        loss_fn: LossFn,
+        groups: ProcessGroups,
+        device: torch.device,
+        seed: int = 0,
+        abort: threading.Event | None = None,
+        dtype: torch.dtype | None = None,
+    ) -> None:
+        self.num_layers = len(resolve_layers(layers_or_factory))
+        check_plan(groups.plan, self.num_layers)
+        self.loss_fn = loss_fn
+        self.device = device
+        self.abort = abort if abort is not None else threading.Event()
+        role = groups.plan.role(*groups.worker)
+        self.module: StageModule = build_stage(layers_or_factory, role.layers, device, seed, dtype)
+        self.reconfigure(groups, self.module)
+
+    def reconfigure(self, groups: ProcessGroups, module: StageModule) -> None:
+        """Run under a new generation's plan and groups; ``module`` must hold the new role's layers.
+
+        Recovery builds ``module`` (e.g. with :func:`build_stage`) and fills it from surviving
+        replicas before calling this; nothing else of the old generation is kept. The ``abort`` event
+        is left as it is: whoever set it clears it once the new generation may run.
+        """
+        plan = groups.plan
+        check_plan(plan, self.num_layers)
+        self.groups = groups
+        self.plan = plan
+        self.role = plan.role(*groups.worker)
+        if module.layer_indices != tuple(self.role.layers):
+            raise ValueError(
+                f"the module holds layers {list(module.layer_indices)} but this worker's role under the "
+                f"new plan is layers {list(self.role.layers)}"
+            )
+        self.module = module
+        pipeline = plan.pipelines[self.role.pipeline]
+        stage = self.role.stage
+        num_stages = len(pipeline.stages)
+        self.microbatches = pipeline.microbatches
+        self.batch_slice = pipeline_batch_slice(plan, self.role.pipeline)
+        self._context = StageContext(
+            module=module,
+            num_stages=num_stages,
+            stage=stage,
+            prev_rank=groups.rank_of(pipeline.worker_of_stage(stage - 1)) if stage > 0 else None,
+            next_rank=groups.rank_of(pipeline.worker_of_stage(stage + 1)) if stage < num_stages - 1 else None,
+            device=self.device,
+            waiter=groups.waiter,
+            abort=self.abort,
+        )
+        self._grad_sync = GradientSync(module, groups)
+        self._counted = [
+            p
+            for i in module.layer_indices
+            if plan.layer_owners(i)[0] == groups.worker
+            for p in module.layer(i).parameters()
+        ]
+
+    @property
+    def is_first_stage(self) -> bool:
+        return self.role.stage == 0
+
+    @property
+    def is_last_stage(self) -> bool:
+        return self.role.stage == len(self.plan.pipelines[self.role.pipeline].stages) - 1
+
+    def _split(self, name: str, batch: Tensor | None, needed: bool) -> list[Tensor] | None:
+        if not needed:
+            return None
+        if batch is None:
+            where = "first" if name == "inputs" else "last"
+            raise ValueError(f"the {where} stage of a pipeline needs {name}, got None")
+        b = self.plan.microbatch_size
+        if batch.shape[0] != self.microbatches * b:
+            raise ValueError(
+                f"{name} has {batch.shape[0]} samples but this pipeline runs {self.microbatches} "
+                f"micro-batches of {b}: pass global_batch[engine.batch_slice] "
+                f"({self.microbatches * b} samples)"
+            )
+        return list(batch.to(self.device, non_blocking=True).split(b))
+
+    def train_step(self, inputs: Tensor | None, targets: Tensor | None) -> Tensor | None:
+        """One training step of this stage: 1F1B over the pipeline's micro-batches, then gradient sync.
+
+        ``inputs`` (first stage) and ``targets`` (last stage) are this pipeline's share of the global
+        batch (``global_batch[engine.batch_slice]``). Returns, on the last stage, this pipeline's part of
+        the global mean loss (the sum of its micro-batch losses times ``b / B``), else ``None``.
+        """
+        sync = self._grad_sync
+        loss = run_train(
+            self._context,
+            self._split("inputs", inputs, self.is_first_stage),
+            self._split("targets", targets, self.is_last_stage),
+            self.microbatches,
+            self.loss_fn,
+            self.plan.microbatch_size / self.plan.global_batch_size,
+            on_last_backward=sync.start,
+        )
+        sync.finish(self.abort)
+        return loss
+
+    def eval_step(self, inputs: Tensor | None, targets: Tensor | None) -> Tensor | None:
+        """Forward-only pipeline over this pipeline's share; same loss convention as :meth:`train_step`."""
+        return run_eval(
+            self._context,
+            self._split("inputs", inputs, self.is_first_stage),
+            self._split("targets", targets, self.is_last_stage),
+            self.microbatches,
+            self.loss_fn,
+            self.plan.microbatch_size / self.plan.global_batch_size,
+        )
+
+    def grad_norm_sq(self) -> Tensor:
+        """This worker's part of the global squared gradient norm, each layer counted once.
+
+        A layer counts on its replica in the lowest-index pipeline; all-reduce (sum) the result over
+        the default group to get the global squared norm.
+        """
+        total = torch.zeros((), dtype=torch.float64, device=self.device)
+        for p in self._counted:
+            if p.grad is not None:
+                total += p.grad.detach().double().pow(2).sum()
+        return total

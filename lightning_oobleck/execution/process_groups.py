@@ -1,0 +1,117 @@
+"""The one owner of torch.distributed state for one generation of a plan.
+
+Every process that runs a worker of a plan creates one :class:`ProcessGroups`; it initialises the
+default group over the plan's workers (rank = position in ``plan.workers``) and one gradient group per
+distinct set of layer owners. After a failure, recovery calls :meth:`ProcessGroups.destroy` and creates
+the next generation in the same process; the generation prefixes every key in the rendezvous store, so
+stale keys of an earlier generation can never be mistaken for new ones.
+"""
+
+from __future__ import annotations
+
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+from lightning_oobleck.execution.comm import CommWaiter
+from lightning_oobleck.planning.plan import Plan
+
+Worker = tuple[int, int]
+"""A ``(node, device)`` pair."""
+
+
+def backend_for(device: torch.device) -> str:
+    """The process-group backend for a device: NCCL on CUDA, gloo otherwise."""
+    return "nccl" if device.type == "cuda" else "gloo"
+
+
+class ProcessGroups:
+    """Default group plus per-owner-set gradient groups of one plan and generation.
+
+    ``world_size``, when given, is the number of processes actually launched; a plan for another number
+    of workers is refused before any rendezvous (which would otherwise hang until the timeout).
+    """
+
+    def __init__(
+        self,
+        plan: Plan,
+        worker: Worker,
+        store: dist.Store,
+        generation: int,
+        backend: str = "gloo",
+        timeout: timedelta = timedelta(seconds=60),
+        world_size: int | None = None,
+    ) -> None:
+        workers = plan.workers
+        if worker not in workers:
+            raise ValueError(
+                f"worker {worker} is not part of the plan, whose workers are {list(workers)}; "
+                "pass the (node, device) this process runs, or a plan that includes it"
+            )
+        if world_size is not None and world_size != len(workers):
+            raise ValueError(
+                f"the plan has {len(workers)} workers but {world_size} processes were launched; "
+                f"make a plan for {world_size} workers or launch {len(workers)} processes"
+            )
+        if dist.is_initialized():
+            raise RuntimeError(
+                "a default process group already exists in this process; destroy() the previous "
+                "generation's ProcessGroups before creating the next one"
+            )
+        self.plan = plan
+        self.worker = worker
+        self.generation = generation
+        self.timeout = timeout
+        self._ranks = {w: i for i, w in enumerate(workers)}
+        self.rank = self._ranks[worker]
+        self.world_size = len(workers)
+        dist.init_process_group(
+            backend,
+            store=dist.PrefixStore(f"gen{generation}/", store),
+            rank=self.rank,
+            world_size=self.world_size,
+            timeout=timeout,
+        )
+        self._grad_groups: dict[tuple[int, ...], dist.ProcessGroup] = {}
+        for ranks in self._owner_rank_sets():
+            # new_group is collective over the default group: every rank creates every group, same order.
+            group = dist.new_group(list(ranks), timeout=timeout)
+            if self.rank in ranks:
+                self._grad_groups[ranks] = group
+        self.waiter = CommWaiter(timeout)
+        self._destroyed = False
+
+    def _owner_rank_sets(self) -> list[tuple[int, ...]]:
+        sets = {
+            tuple(sorted(self._ranks[w] for w in self.plan.layer_owners(layer)))
+            for layer in range(self.plan.num_layers)
+        }
+        return sorted(s for s in sets if len(s) > 1)
+
+    def rank_of(self, worker: Worker) -> int:
+        """Global rank of ``worker`` in this generation."""
+        return self._ranks[worker]
+
+    def grad_group(self, owners: tuple[Worker, ...]) -> dist.ProcessGroup | None:
+        """The gradient group of the workers ``owners`` (``None`` for a single owner: nothing to sync)."""
+        ranks = tuple(sorted(self._ranks[w] for w in owners))
+        if len(ranks) == 1:
+            return None
+        if self.rank not in ranks:
+            raise KeyError(f"worker {self.worker} is not among the owners {owners}")
+        return self._grad_groups[ranks]
+
+    @property
+    def destroyed(self) -> bool:
+        return self._destroyed
+
+    def destroy(self) -> None:
+        """Tear down every group of this generation (idempotent); a new generation may follow."""
+        if self._destroyed:
+            return
+        self._destroyed = True
+        self.waiter.close()
+        self._grad_groups.clear()
+        if dist.is_initialized():
+            dist.destroy_process_group()

@@ -1,0 +1,153 @@
+"""Measure each layer's cost for one micro-batch on the real device: the planner's input.
+
+Every layer runs forward and backward for real (warm-up, then repetitions; the median is kept),
+timed with CUDA events on a GPU and the wall clock elsewhere. Memory is counted, not estimated:
+parameter bytes, the bytes of the layer's output (what crosses a stage boundary) and the bytes of the
+tensors autograd saves for the backward (what each in-flight micro-batch keeps alive), found with
+``saved_tensors_hooks`` (:class:`SavedTensorMeter`). Results are cached on disk under a key of
+everything that changes them.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import statistics
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import TypeVar
+
+import torch
+from torch import Tensor, nn
+
+from lightning_oobleck.execution.memory import SavedTensorMeter
+from lightning_oobleck.execution.schedule import LossFn
+from lightning_oobleck.execution.stage import LayerSource, build_reference_model, resolve_layers
+from lightning_oobleck.planning.profile import LayerProfile, ModelProfile
+
+T = TypeVar("T")
+
+
+def profile_layers(
+    layers_or_factory: LayerSource,
+    example_input: Tensor,
+    device: torch.device,
+    dtype: torch.dtype | None = None,
+    warmup: int = 2,
+    repeat: int = 5,
+    cache_dir: str | Path | None = None,
+    seed: int = 0,
+    loss_fn: LossFn | None = None,
+    example_target: Tensor | None = None,
+) -> ModelProfile:
+    """Profile every layer for the micro-batch ``example_input`` (``[b, ...]``, the first layer's input).
+
+    With ``loss_fn`` and ``example_target``, the loss counts as part of the last layer (its time, and
+    the tensors it saves, which the last stage keeps per in-flight micro-batch); otherwise the last
+    layer's backward starts from a gradient of ones.
+
+    With ``cache_dir``, a profile measured earlier for the same layers (structure and parameter
+    shapes), input shape and dtype, model dtype, device and torch version is returned from disk.
+    """
+    key = _cache_key(layers_or_factory, example_input, device, dtype, warmup, repeat, loss_fn, example_target)
+    cached = Path(cache_dir) / f"profile-{key[:20]}.json" if cache_dir is not None else None
+    if cached is not None and cached.exists():
+        return ModelProfile.load(cached)
+    model = build_reference_model(layers_or_factory, device, seed, dtype)
+    x = example_input.to(device)
+    layers = []
+    last = model.layer_indices[-1]
+    for index in model.layer_indices:
+        loss = None
+        if index == last and loss_fn is not None and example_target is not None:
+            target = example_target.to(device)
+            loss = lambda out, target=target: loss_fn(out, target)  # noqa: E731
+        profile, x = _profile_layer(model.layer(index), x, device, warmup, repeat, loss)
+        layers.append(profile)
+    dtype_name = str(next(model.parameters()).dtype).removeprefix("torch.")
+    result = ModelProfile(
+        tuple(layers),
+        microbatch_size=example_input.shape[0],
+        device=torch.cuda.get_device_name(device) if device.type == "cuda" else device.type,
+        dtype=dtype_name,
+        meta={"cache_key": key, "torch": torch.__version__, "input_shape": list(example_input.shape)},
+    )
+    if cached is not None:
+        cached.parent.mkdir(parents=True, exist_ok=True)
+        result.save(cached)
+    return result
+
+
+def _cache_key(
+    source: LayerSource,
+    example_input: Tensor,
+    device: torch.device,
+    dtype: torch.dtype | None,
+    warmup: int,
+    repeat: int,
+    loss_fn: LossFn | None,
+    example_target: Tensor | None,
+) -> str:
+    layers = resolve_layers(source)
+    described = {
+        "layers": [repr(layer) for layer in layers],
+        "parameters": [
+            [(n, list(p.shape), str(p.dtype)) for n, p in layer.named_parameters()] for layer in layers
+        ],
+        "input": [list(example_input.shape), str(example_input.dtype)],
+        "dtype": str(dtype),
+        "device": torch.cuda.get_device_name(device) if device.type == "cuda" else device.type,
+        "torch": torch.__version__,
+        "repetitions": [warmup, repeat],
+        "loss": None
+        if loss_fn is None or example_target is None
+        else [getattr(loss_fn, "__qualname__", repr(loss_fn)), list(example_target.shape)],
+    }
+    return hashlib.sha256(json.dumps(described, sort_keys=True).encode()).hexdigest()
+
+
+def _profile_layer(
+    layer: nn.Module,
+    x: Tensor,
+    device: torch.device,
+    warmup: int,
+    repeat: int,
+    loss: Callable[[Tensor], Tensor] | None,
+) -> tuple[LayerProfile, Tensor]:
+    def forward() -> tuple[Tensor, Tensor]:
+        out = layer(x.detach().requires_grad_(x.is_floating_point()))
+        return out, (out if loss is None else loss(out))
+
+    forward_s, backward_s = [], []
+    for rep in range(warmup + repeat):
+        with SavedTensorMeter(exclude=layer.parameters()) as meter:
+            (out, root), t_fwd = _timed(forward, device)
+        saved_bytes = meter.live_bytes
+        _, t_bwd = _timed(lambda root=root: root.backward(torch.ones_like(root)), device)
+        layer.zero_grad(set_to_none=True)
+        if rep >= warmup:
+            forward_s.append(t_fwd)
+            backward_s.append(t_bwd)
+    profile = LayerProfile(
+        forward_s=statistics.median(forward_s),
+        backward_s=statistics.median(backward_s),
+        parameter_bytes=sum(p.numel() * p.element_size() for p in layer.parameters()),
+        output_activation_bytes=out.numel() * out.element_size(),
+        activation_bytes=saved_bytes,
+    )
+    return profile, out.detach()
+
+
+def _timed(fn: Callable[[], T], device: torch.device) -> tuple[T, float]:
+    """Run ``fn`` and return its result and duration (CUDA events on a GPU, wall clock elsewhere)."""
+    if device.type == "cuda":
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        result = fn()
+        end.record()
+        end.synchronize()
+        return result, start.elapsed_time(end) / 1000.0
+    t0 = time.perf_counter()
+    result = fn()
+    return result, time.perf_counter() - t0

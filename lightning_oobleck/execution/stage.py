@@ -1,0 +1,145 @@
+"""Build the layers one worker owns, with global names and seed-determined initial weights.
+
+The model is an ordered sequence of layers (``nn.Module`` taking one tensor, returning one tensor), or
+a factory returning one; a factory is called on the meta device, so no rank materialises layers it does
+not own. An owned layer is moved to the device and initialised by calling ``reset_parameters()`` on
+each of its submodules under a seed derived from ``(seed, layer index)``: every layout, and the
+single-process reference (:func:`build_reference_model`), gets identical weights for layer ``i``.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from itertools import chain
+
+import torch
+from torch import Tensor, nn
+
+LayerSource = Sequence[nn.Module] | Callable[[], Sequence[nn.Module]]
+"""The model: its layers in order, or a factory returning them (called on the meta device)."""
+
+
+class StageModule(nn.Module):
+    """Some consecutive layers of the model, named by their global index (``layers.7.attn.weight``)."""
+
+    def __init__(self, layers: Mapping[int, nn.Module]) -> None:
+        super().__init__()
+        self.layer_indices = tuple(sorted(layers))
+        self.layers = nn.ModuleDict({str(i): layers[i] for i in self.layer_indices})
+
+    def forward(self, x: Tensor) -> Tensor:
+        for layer in self.layers.values():
+            x = layer(x)
+        return x
+
+    def layer(self, index: int) -> nn.Module:
+        return self.layers[str(index)]
+
+
+def layer_seed(seed: int, layer: int) -> int:
+    """The RNG seed that initialises layer ``layer`` of a model seeded with ``seed``."""
+    return int.from_bytes(hashlib.sha256(f"{seed}/{layer}".encode()).digest()[:8], "little")
+
+
+def resolve_layers(source: LayerSource) -> list[nn.Module]:
+    """The model's layers as a list; a factory is called under ``torch.device("meta")``.
+
+    Refuses anything that is not a sequence of modules, and parameters shared by two layers (tied
+    weights would live on different workers and silently diverge).
+    """
+    if callable(source) and not isinstance(source, nn.Module):
+        with torch.device("meta"):
+            source = source()
+    if isinstance(source, nn.Module) and not isinstance(source, nn.Sequential | nn.ModuleList):
+        raise TypeError(
+            f"the model must be an ordered sequence of layers, got a single {type(source).__name__}; "
+            "pass a list of nn.Module (or nn.Sequential / nn.ModuleList, or a factory returning one), "
+            "each taking one tensor and returning one tensor"
+        )
+    if not isinstance(source, Iterable) or isinstance(source, Tensor | str | bytes):
+        raise TypeError(
+            f"the model must be an ordered sequence of nn.Module layers, got {type(source).__name__}"
+        )
+    layers = list(source)
+    bad = [i for i, layer in enumerate(layers) if not isinstance(layer, nn.Module)]
+    if not layers or bad:
+        raise TypeError(
+            "the model must be a non-empty sequence of nn.Module layers"
+            + (f"; items {bad} are {type(layers[bad[0]]).__name__}" if bad else "")
+        )
+    _refuse_shared_parameters(layers)
+    return layers
+
+
+def _refuse_shared_parameters(layers: Sequence[nn.Module]) -> None:
+    owner: dict[int, tuple[int, str]] = {}
+    for i, layer in enumerate(layers):
+        for name, p in layer.named_parameters(remove_duplicate=False):
+            first = owner.setdefault(id(p), (i, name))
+            if first[0] != i:
+                raise ValueError(
+                    f"parameter layers.{i}.{name} is the same tensor as layers.{first[0]}.{first[1]}: "
+                    "weights tied across layers are not supported; untie them (e.g. give the head its own "
+                    "weight) or keep both uses inside one layer"
+                )
+
+
+def build_stage(
+    source: LayerSource,
+    layers: Iterable[int],
+    device: torch.device,
+    seed: int = 0,
+    dtype: torch.dtype | None = None,
+) -> StageModule:
+    """Materialise and initialise only ``layers`` of the model on ``device``."""
+    all_layers = resolve_layers(source)
+    wanted = list(layers)
+    missing = [i for i in wanted if not 0 <= i < len(all_layers)]
+    if missing:
+        raise ValueError(f"layers {missing} do not exist: the model has {len(all_layers)} layers")
+    return StageModule({i: _materialise(all_layers[i], i, device, seed, dtype) for i in wanted})
+
+
+def build_reference_model(
+    source: LayerSource, device: torch.device, seed: int = 0, dtype: torch.dtype | None = None
+) -> StageModule:
+    """The whole model in one process, with exactly the weights any layout gives each layer."""
+    return build_stage(source, range(len(resolve_layers(source))), device, seed, dtype)
+
+
+def _materialise(
+    layer: nn.Module, index: int, device: torch.device, seed: int, dtype: torch.dtype | None
+) -> nn.Module:
+    on_meta = any(t.is_meta for t in chain(layer.parameters(), layer.buffers()))
+    if on_meta:
+        integer = [n for n, b in layer.named_buffers() if not b.is_floating_point()]
+        if integer:
+            raise ValueError(
+                f"layer {index} has non-floating buffers {integer} built on the meta device; their values "
+                "cannot be re-created: compute them in forward() or build the layers off the meta device"
+            )
+        layer = layer.to_empty(device=device)
+    else:
+        layer = layer.to(device)
+    if dtype is not None:
+        layer = layer.to(dtype)
+    # Poison every value reset_parameters() must write, so a value nobody initialises is detected.
+    checked = list(layer.named_parameters()) + (list(layer.named_buffers()) if on_meta else [])
+    checked = [(n, t) for n, t in checked if t.is_floating_point()]
+    with torch.no_grad():
+        for _, t in checked:
+            t.fill_(float("nan"))
+        with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
+            torch.manual_seed(layer_seed(seed, index))
+            for module in layer.modules():
+                reset = getattr(module, "reset_parameters", None)
+                if callable(reset):
+                    reset()
+    uncovered = [n for n, t in checked if torch.isnan(t).any()]
+    if uncovered:
+        raise ValueError(
+            f"layer {index} ({type(layer).__name__}): {uncovered} are not initialised by any submodule's "
+            "reset_parameters(); define reset_parameters() on the module that owns them"
+        )
+    return layer

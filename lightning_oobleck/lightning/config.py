@@ -1,0 +1,113 @@
+"""The strategy's configuration: one dataclass, usable as an OmegaConf structured config.
+
+``OobleckStrategy(**fields)`` and ``OobleckStrategy.from_config(cfg)`` take the same keys; a YAML file with a
+``strategy:`` section plus command-line dot-list overrides (``strategy.fault_tolerance=2``) is the usual way
+to set them (see ``examples/gpt/config.yaml``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+from typing import Any
+
+from omegaconf import DictConfig, OmegaConf
+
+
+@dataclass
+class OobleckConfig:
+    """Everything the Oobleck strategy needs besides the model, the data and the Trainer's own flags."""
+
+    global_batch_size: int | None = None
+    """Samples per optimizer step, over all pipelines, fixed whatever the layout. ``None``: the training
+    DataLoader's ``batch_size`` (the batch the model would see on one device)."""
+    microbatch_size: int | None = None
+    """Samples per micro-batch; must divide ``global_batch_size``. ``None``: the largest divisor that gives
+    every process at least two micro-batches per step."""
+    fault_tolerance: int = 1
+    """f: node failures to survive at once (the plan runs at least f + 1 pipelines)."""
+    devices_per_node: int = 1
+    """Devices (processes) per failure domain: a node dies as a whole."""
+    seed: int = 0
+    """Seeds the sample order (initial weights come from the module's ``init_seed``)."""
+    backend: str | None = None
+    """torch.distributed backend; ``None`` picks gloo on CPU and NCCL on GPU."""
+    collective_timeout_s: float = 60.0
+    """Timeout of every collective and point-to-point transfer."""
+    heartbeat_interval_s: float = 0.5
+    """How often a worker reports that it is alive (used by recovery)."""
+    heartbeat_timeout_s: float = 5.0
+    """A worker silent for this long is declared dead (used by recovery)."""
+    plan_timeout_s: float = 300.0
+    """How long workers wait for rank 0 to publish the plan (profiling and planning included)."""
+    start_method: str = "spawn"
+    """How the local launcher starts workers: ``spawn`` (scripts, needs the ``__main__`` guard) or ``fork``."""
+    planner: dict[str, Any] = field(default_factory=dict)
+    """Extra keyword arguments for the planner's ``make_plan``."""
+    profile_path: str | None = None
+    """A saved layer profile (JSON) to plan from instead of profiling the model at start-up."""
+    plan_path: str | None = None
+    """A saved plan (JSON, as printed by ``oobleck plan --json``) to run instead of planning."""
+    layout: list[list[int]] | None = None
+    """An explicit layout instead of the planner's: one list of stage boundaries per pipeline, e.g.
+    ``[[0, 3, 6], [0, 6]]`` is a 2-stage pipeline (layers 0-2 and 3-5) beside a 1-stage one."""
+    microbatches: list[int] | None = None
+    """With ``layout``: micro-batches per pipeline (default: as even as possible)."""
+
+    def validate(self) -> None:
+        """Raise a :class:`ValueError` naming the bad key and the fix."""
+        for name in ("global_batch_size", "microbatch_size"):
+            value = getattr(self, name)
+            if value is not None and value < 1:
+                raise ValueError(f"{name} must be positive, got {value}")
+        b, big_b = self.microbatch_size, self.global_batch_size
+        if b is not None and big_b is not None and big_b % b:
+            raise ValueError(
+                f"microbatch_size={b} does not divide global_batch_size={big_b}: pick a divisor, "
+                f"e.g. microbatch_size={_largest_divisor_at_most(big_b, b)}"
+            )
+        if self.fault_tolerance < 0:
+            raise ValueError(f"fault_tolerance must be >= 0, got {self.fault_tolerance}")
+        if self.devices_per_node < 1:
+            raise ValueError(f"devices_per_node must be >= 1, got {self.devices_per_node}")
+        if self.start_method not in ("spawn", "fork"):
+            raise ValueError(f"start_method must be 'spawn' or 'fork', got {self.start_method!r}")
+        if self.microbatches is not None and self.layout is None:
+            raise ValueError("microbatches is only meaningful with layout=[[...], ...]")
+        if sum(x is not None for x in (self.layout, self.plan_path)) > 1:
+            raise ValueError("give at most one of layout and plan_path")
+
+    def with_batch(self, loader_batch_size: int | None, num_workers: int) -> OobleckConfig:
+        """This config with both batch sizes set (see the fields for the defaults)."""
+        big_b = self.global_batch_size if self.global_batch_size is not None else loader_batch_size
+        if big_b is None:
+            raise ValueError(
+                "the oobleck strategy needs a fixed global batch size and found no training DataLoader "
+                "batch_size to take it from: Trainer(strategy=OobleckStrategy(global_batch_size=64))"
+            )
+        b = self.microbatch_size
+        if b is None:
+            b = _largest_divisor_at_most(big_b, max(1, big_b // (2 * num_workers)))
+        resolved = replace(self, global_batch_size=big_b, microbatch_size=b)
+        resolved.validate()
+        return resolved
+
+    @property
+    def num_microbatches(self) -> int:
+        assert self.global_batch_size is not None and self.microbatch_size is not None, "call with_batch()"
+        return self.global_batch_size // self.microbatch_size
+
+
+def _largest_divisor_at_most(n: int, limit: int) -> int:
+    return max(d for d in range(1, max(1, min(n, limit)) + 1) if n % d == 0)
+
+
+def load_oobleck_config(cfg: OobleckConfig | DictConfig | dict[str, Any] | str | Path) -> OobleckConfig:
+    """Merge ``cfg`` (a dataclass, an OmegaConf node, a dict or a YAML path) over the defaults, type-checked."""
+    if isinstance(cfg, OobleckConfig):
+        return cfg
+    node = OmegaConf.load(cfg) if isinstance(cfg, str | Path) else cfg
+    merged = OmegaConf.merge(OmegaConf.structured(OobleckConfig), node)
+    result = OmegaConf.to_object(merged)
+    assert isinstance(result, OobleckConfig)
+    return result

@@ -1,0 +1,153 @@
+"""Global batches cut into per-pipeline shares, with a resumable position.
+
+Every optimizer step consumes one *global batch* of ``global_batch_size`` samples, the same on every rank:
+batch ``k`` of epoch ``e`` is ``perm_e[k*B:(k+1)*B]``, where ``perm_e`` is a permutation drawn from
+``seed + e`` (or the identity without shuffling). Each rank loads only the samples of its pipeline's
+micro-batches (:meth:`Plan.microbatch_range`), so every sample of a global batch is used exactly once. The
+first stage uses them as inputs and the last stage as targets.
+
+The position (epoch, step) is state: :meth:`GlobalBatchSampler.state_dict` is saved in Lightning's
+checkpoints (through :class:`PipelineDataLoader`), and after a reconfiguration :meth:`set_share` re-cuts the
+same global batch for the new pipelines.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch.utils.data import DataLoader, Sampler
+
+
+@dataclass(frozen=True)
+class DataPosition:
+    """The next global batch to train on: batch ``step`` of epoch ``epoch``."""
+
+    epoch: int = 0
+    step: int = 0
+
+
+class GlobalBatchSampler(Sampler[list[int]]):
+    """A batch sampler yielding, per global batch, the sample indices of this rank's share.
+
+    All ranks yield the same number of batches per epoch (``num_samples // global_batch_size``; a partial
+    last batch is dropped, because a step's batch size is fixed). With ``share=None`` it yields whole global
+    batches, which is what a single-process reference run uses.
+    """
+
+    def __init__(
+        self,
+        num_samples: int,
+        global_batch_size: int,
+        seed: int = 0,
+        shuffle: bool = True,
+        share: range | None = None,
+    ) -> None:
+        if global_batch_size < 1 or num_samples < global_batch_size:
+            raise ValueError(
+                f"the dataset has {num_samples} samples, fewer than one global batch of {global_batch_size}: "
+                "lower global_batch_size or use more data"
+            )
+        self.num_samples = num_samples
+        self.global_batch_size = global_batch_size
+        self.seed = seed
+        self.shuffle = shuffle
+        self.share = range(global_batch_size) if share is None else share
+        self._check_share(self.share)
+        self.position = DataPosition()
+        self._permutation: tuple[int, torch.Tensor] | None = None
+
+    def __len__(self) -> int:
+        return self.num_samples // self.global_batch_size
+
+    def __iter__(self) -> Iterator[list[int]]:
+        epoch, start = self.position.epoch, self.position.step
+        for step in range(start, len(self)):
+            yield self.global_batch(epoch, step)[self.share.start : self.share.stop]
+
+    @property
+    def sampler(self) -> GlobalBatchSampler:
+        """Itself: Lightning calls ``set_epoch`` on ``loader.batch_sampler.sampler`` at every epoch start."""
+        return self
+
+    def set_epoch(self, epoch: int) -> None:
+        """Called by Lightning at every epoch start: a new epoch starts at step 0, the resumed one where it was."""
+        if epoch != self.position.epoch:
+            self.position = DataPosition(epoch, 0)
+
+    def set_share(self, share: range) -> None:
+        """Take the sample offsets ``share`` of every global batch from now on (after a plan change)."""
+        self._check_share(share)
+        self.share = share
+
+    def advance(self, epoch: int, completed_steps: int) -> None:
+        """Record that ``completed_steps`` global batches of ``epoch`` were trained on."""
+        self.position = DataPosition(epoch, completed_steps)
+
+    def global_batch(self, epoch: int, step: int) -> list[int]:
+        """The sample indices of global batch ``step`` of ``epoch``, identical on every rank."""
+        if not 0 <= step < len(self):
+            raise IndexError(f"epoch has {len(self)} global batches, asked for {step}")
+        start = step * self.global_batch_size
+        return self._epoch_order(epoch)[start : start + self.global_batch_size].tolist()
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"epoch": self.position.epoch, "step": self.position.step, "seed": self.seed}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        if int(state["seed"]) != self.seed:
+            raise ValueError(
+                f"the checkpoint's data order was drawn with seed={state['seed']}, this run has seed={self.seed}: "
+                "resume with the same seed"
+            )
+        self.position = DataPosition(int(state["epoch"]), int(state["step"]))
+
+    def _epoch_order(self, epoch: int) -> torch.Tensor:
+        if self._permutation is None or self._permutation[0] != epoch:
+            if self.shuffle:
+                order = torch.randperm(
+                    self.num_samples, generator=torch.Generator().manual_seed(self.seed + epoch)
+                )
+            else:
+                order = torch.arange(self.num_samples)
+            self._permutation = (epoch, order)
+        return self._permutation[1]
+
+    def _check_share(self, share: range) -> None:
+        if share.step != 1 or not 0 <= share.start < share.stop <= self.global_batch_size:
+            raise ValueError(f"share {share} is not a slice of a global batch of {self.global_batch_size}")
+
+
+class PipelineDataLoader(DataLoader):
+    """A DataLoader over a :class:`GlobalBatchSampler` whose position Lightning saves and restores."""
+
+    batch_sampler: GlobalBatchSampler
+
+    def state_dict(self) -> dict[str, Any]:
+        return self.batch_sampler.state_dict()
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.batch_sampler.load_state_dict(state)
+
+
+def share_of_pipeline(microbatches: range, microbatch_size: int) -> range:
+    """Sample offsets inside a global batch of the micro-batches ``microbatches``."""
+    return range(microbatches.start * microbatch_size, microbatches.stop * microbatch_size)
+
+
+def wrap_dataloader(loader: DataLoader, sampler: GlobalBatchSampler) -> PipelineDataLoader:
+    """The user's loader (dataset, collate, workers) with ``sampler`` choosing the samples."""
+    return PipelineDataLoader(
+        loader.dataset,
+        batch_sampler=sampler,
+        num_workers=loader.num_workers,
+        collate_fn=loader.collate_fn,
+        pin_memory=loader.pin_memory,
+        timeout=loader.timeout,
+        worker_init_fn=loader.worker_init_fn,
+        multiprocessing_context=loader.multiprocessing_context,
+        prefetch_factor=loader.prefetch_factor,
+        persistent_workers=loader.persistent_workers,
+    )

@@ -1,0 +1,444 @@
+"""Local launcher: the calling process becomes a supervisor of N worker processes that may die.
+
+Lightning's launchers make the main process rank 0 (``ddp``) or kill every child when one exits non-zero
+(both ``ddp`` and ``ddp_spawn``). Oobleck keeps training when any worker dies, rank 0 included, so here:
+
+* the calling process is a **supervisor**, never a worker: it hosts the rendezvous ``TCPStore`` server
+  and the :class:`SupervisorService` objects (the recovery coordinator), which therefore outlive every
+  worker;
+* workers are started with ``spawn`` (like ``ddp_spawn``; ``fork`` is allowed for notebooks and tests):
+  the caller's ``trainer.fit`` returns in the supervisor with the survivors' state and weights, which a
+  script re-run (``ddp``) cannot give, and the supervisor never runs user code that could crash it;
+* a worker's death is reported to the services at once and otherwise left alone; the run succeeds if any
+  worker finished, and the supervisor raises :class:`LaunchError` only when none did;
+* workers die with the supervisor (Linux ``PR_SET_PDEATHSIG``) and every wait is bounded.
+
+Worker ``r`` gets ``OOBLECK_STORE_ADDR``, ``OOBLECK_RANK``, ``OOBLECK_WORLD_SIZE``, ``OOBLECK_NODE`` (``r //
+devices_per_node``) and ``OOBLECK_DEVICE`` (``r % devices_per_node``), read by
+:class:`~lightning_oobleck.lightning.environment.LocalOobleckEnvironment`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import logging
+import multiprocessing
+import os
+import shutil
+import signal
+import sys
+import tempfile
+import time
+import traceback
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from datetime import timedelta
+from multiprocessing.connection import Connection
+from multiprocessing.connection import wait as wait_for_sentinels
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Literal, Protocol
+
+import torch.distributed as dist
+from lightning.fabric.strategies.launchers.multiprocessing import (
+    _check_bad_cuda_fork,
+    _check_missing_main_guard,
+    _disable_module_memory_sharing,
+)
+from lightning.fabric.utilities.distributed import _set_num_threads_if_needed
+from lightning.pytorch.strategies.launchers.launcher import _Launcher
+from lightning.pytorch.strategies.launchers.multiprocessing import _GlobalStateSnapshot
+from lightning.pytorch.trainer.states import TrainerFn
+
+from lightning_oobleck.lightning.environment import local_worker_env
+from lightning_oobleck.lightning.results import (
+    collect_layers,
+    read_error,
+    read_result,
+    restore_in_main_process,
+    result_path,
+    write_worker_error,
+    write_worker_result,
+)
+
+if TYPE_CHECKING:
+    import lightning.pytorch as pl
+
+log = logging.getLogger(__name__)
+
+_PR_SET_PDEATHSIG = 1
+_KILL_JOIN_TIMEOUT_S = 10.0
+_RELEASE_TIMEOUT_S = 300.0
+"""How long a started worker waits for the supervisor's store and services to come up."""
+_MAX_WAIT_S = 1.0
+"""Longest single wait on worker sentinels, so that deadlines are checked at least this often."""
+
+
+class LaunchError(RuntimeError):
+    """No worker finished: every one died or raised. The message lists each worker's fate."""
+
+
+class SupervisorService(Protocol):
+    """Something that runs in the supervisor for the whole launch, e.g. the recovery coordinator."""
+
+    def start(self, supervisor: Supervisor) -> None:
+        """Called once the store is up and before any worker starts; may add to ``supervisor.worker_env``."""
+
+    def worker_exited(self, rank: int, exitcode: int) -> None:
+        """Called as soon as the supervisor sees worker ``rank`` exit (``exitcode < 0``: killed by signal)."""
+
+    def stop(self) -> None:
+        """Called after every worker has exited (or been killed); must return promptly."""
+
+
+class Supervisor:
+    """The rendezvous ``TCPStore`` server plus the services, started and stopped together.
+
+    Used by :class:`OobleckLauncher` on one machine; a SLURM batch script can run one on the batch host
+    (``with Supervisor(world_size, port=29500, host=socket.gethostname()): subprocess.run(["srun", ...])``)
+    and export ``OOBLECK_STORE_ADDR=host:29500`` to the tasks.
+    """
+
+    def __init__(
+        self,
+        world_size: int,
+        *,
+        devices_per_node: int = 1,
+        services: Sequence[SupervisorService] = (),
+        host: str = "127.0.0.1",
+        port: int = 0,
+        store_timeout_s: float = 300.0,
+    ) -> None:
+        self.world_size = world_size
+        self.devices_per_node = devices_per_node
+        self.services = list(services)
+        self.host = host
+        self._port = port
+        self._store_timeout_s = store_timeout_s
+        self.store: dist.TCPStore | None = None
+        self.worker_env: dict[str, str] = {}
+        """Variables every worker gets besides its position, e.g. a service's address."""
+        self._started: list[SupervisorService] = []
+
+    @property
+    def store_addr(self) -> str:
+        """``host:port`` of the running store (the value of ``OOBLECK_STORE_ADDR``)."""
+        if self.store is None:
+            raise RuntimeError("the supervisor is not started")
+        return f"{self.host}:{self.store.port}"
+
+    def start(self) -> None:
+        self.store = dist.TCPStore(
+            self.host,
+            self._port,
+            is_master=True,
+            wait_for_workers=False,
+            timeout=timedelta(seconds=self._store_timeout_s),
+        )
+        try:
+            for service in self.services:
+                service.start(self)
+                self._started.append(service)
+        except BaseException:
+            self.stop()
+            raise
+
+    def worker_exited(self, rank: int, exitcode: int) -> None:
+        for service in self._started:
+            service.worker_exited(rank, exitcode)
+
+    def stop(self) -> None:
+        """Stop the services in reverse order, then the store; one service failing does not stop the rest."""
+        while self._started:
+            service = self._started.pop()
+            try:
+                service.stop()
+            except Exception:
+                log.exception("supervisor service %r failed to stop", service)
+        self.store = None
+
+    def __enter__(self) -> Supervisor:
+        self.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+
+@dataclass(frozen=True)
+class LaunchReport:
+    """How each worker of the last launch ended."""
+
+    exitcodes: dict[int, int]
+    finished: tuple[int, ...]
+    """Ranks that returned a result, ascending."""
+    lost: dict[int, str] = field(default_factory=dict)
+    """Rank -> why it did not finish (signal, exit code, exception, killed by the supervisor)."""
+    result_rank: int | None = None
+    """The finished rank whose result the caller got."""
+
+
+@dataclass(frozen=True)
+class _WorkerSpec:
+    rank: int
+    workdir: Path
+    supervisor_pid: int
+    num_processes: int
+    spawned: bool
+
+
+class OobleckLauncher(_Launcher):
+    """Starts ``num_processes`` workers under a supervisor that survives any of them (see module doc).
+
+    Args:
+        num_processes: workers to start.
+        devices_per_node: devices per failure domain; worker ``r`` is device ``r % G`` of node ``r // G``.
+        start_method: ``"spawn"`` (default, needs the ``if __name__ == "__main__"`` guard and picklable
+            arguments) or ``"fork"`` (interactive sessions; no CUDA before launching).
+        services: started in the supervisor before the workers (append to :attr:`services` until launch).
+        host: address the store listens on and workers connect to.
+        timeout_s: bound on the whole launch; ``None`` lets training run as long as it needs.
+        finish_grace_s: once one worker finished, how long the others may take before they are killed
+            (a hung or stopped worker must not hold the run forever).
+    """
+
+    def __init__(
+        self,
+        num_processes: int,
+        *,
+        devices_per_node: int = 1,
+        start_method: Literal["spawn", "fork"] = "spawn",
+        services: Sequence[SupervisorService] = (),
+        host: str = "127.0.0.1",
+        timeout_s: float | None = None,
+        finish_grace_s: float = 60.0,
+    ) -> None:
+        if num_processes < 1:
+            raise ValueError(f"num_processes must be >= 1, got {num_processes}")
+        if devices_per_node < 1 or num_processes % devices_per_node:
+            raise ValueError(
+                f"num_processes={num_processes} is not a whole number of nodes of devices_per_node="
+                f"{devices_per_node}: choose devices_per_node dividing the number of processes"
+            )
+        if start_method not in ("spawn", "fork"):
+            raise ValueError(f"start_method must be 'spawn' or 'fork', got {start_method!r}")
+        self.num_processes = num_processes
+        self.devices_per_node = devices_per_node
+        self.start_method = start_method
+        self.services = list(services)
+        self.host = host
+        self.timeout_s = timeout_s
+        self.finish_grace_s = finish_grace_s
+        self.procs: dict[int, multiprocessing.process.BaseProcess] = {}
+        self.last_report: LaunchReport | None = None
+        self._already_fit = False
+
+    @property
+    def is_interactive_compatible(self) -> bool:
+        return self.start_method == "fork"
+
+    def launch(self, function: Callable, *args: Any, trainer: pl.Trainer | None = None, **kwargs: Any) -> Any:
+        """Run ``function(*args, **kwargs)`` in every worker; return a finished worker's return value.
+
+        With ``trainer``, the caller's Trainer also gets that worker's state, loop progress, callback
+        metrics and best checkpoint path, and (when fitting) the model weights merged from the finished
+        workers. Raises :class:`LaunchError` if no worker finished, ``TimeoutError`` past ``timeout_s``.
+        """
+        if self.start_method == "spawn":
+            _check_missing_main_guard()
+        else:
+            _check_bad_cuda_fork()
+        if self._already_fit and trainer is not None and trainer.state.fn == TrainerFn.FITTING:
+            raise NotImplementedError(
+                "trainer.fit() twice on one Trainer is not supported with strategy='oobleck': create a new "
+                "Trainer and pass fit(ckpt_path=...)"
+            )
+        workdir = Path(tempfile.mkdtemp(prefix="oobleck-launch-"))
+        supervisor = Supervisor(
+            self.num_processes, devices_per_node=self.devices_per_node, services=self.services, host=self.host
+        )
+        try:
+            # Workers start before the store and the services: their threads must not exist at a fork.
+            env_pipes = self._start_workers(workdir, trainer, function, args, kwargs)
+            with supervisor:
+                try:
+                    self._release_workers(supervisor, env_pipes)
+                    report = self._supervise(supervisor, workdir)
+                finally:
+                    self._kill_all(signal.SIGKILL)  # before the services stop, whatever happened
+            return self._recover_results(report, workdir, trainer)
+        finally:
+            self._kill_all(signal.SIGKILL)
+            shutil.rmtree(workdir, ignore_errors=True)
+
+    def kill(self, signum: int | signal.Signals) -> None:
+        """Send ``signum`` to every live worker."""
+        for proc in self.procs.values():
+            if proc.is_alive() and proc.pid is not None:
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(proc.pid, signum)
+
+    def _start_workers(
+        self, workdir: Path, trainer: pl.Trainer | None, function: Callable, args: Any, kwargs: Any
+    ) -> dict[int, Connection]:
+        """Start every worker, blocked until :meth:`_release_workers` sends its environment."""
+        context = multiprocessing.get_context(self.start_method)
+        spawned = self.start_method == "spawn"
+        global_states = _GlobalStateSnapshot.capture() if spawned else None
+        self.procs = {}
+        env_pipes: dict[int, Connection] = {}
+        for rank in range(self.num_processes):
+            spec = _WorkerSpec(rank, workdir, os.getpid(), self.num_processes, spawned)
+            receiver, env_pipes[rank] = context.Pipe(duplex=False)
+            proc = context.Process(
+                target=_worker_main,
+                args=(spec, receiver, trainer, function, args, kwargs, global_states),
+                name=f"oobleck-worker-{rank}",
+            )
+            proc.start()
+            receiver.close()
+            self.procs[rank] = proc
+        return env_pipes
+
+    def _release_workers(self, supervisor: Supervisor, env_pipes: dict[int, Connection]) -> None:
+        """Send each worker its position, the store's address and the services' variables."""
+        for rank, pipe in env_pipes.items():
+            position = local_worker_env(
+                rank, self.num_processes, self.devices_per_node, supervisor.store_addr
+            )
+            with pipe:
+                pipe.send({**supervisor.worker_env, **position})
+
+    def _supervise(self, supervisor: Supervisor, workdir: Path) -> LaunchReport:
+        """Wait for every worker, telling the services of each exit; bounded by the two deadlines."""
+        exitcodes: dict[int, int] = {}
+        launch_deadline = None if self.timeout_s is None else time.monotonic() + self.timeout_s
+        finish_deadline: float | None = None
+        while len(exitcodes) < len(self.procs):
+            deadlines = [d for d in (finish_deadline, launch_deadline) if d is not None]
+            now = time.monotonic()
+            if deadlines and now >= min(deadlines):
+                break
+            running = {proc.sentinel: rank for rank, proc in self.procs.items() if rank not in exitcodes}
+            for sentinel in wait_for_sentinels(
+                list(running), timeout=min([_MAX_WAIT_S, *(d - now for d in deadlines)])
+            ):
+                rank = running[sentinel]  # type: ignore[index]
+                exitcodes[rank] = self._reap(rank)
+                supervisor.worker_exited(rank, exitcodes[rank])
+                if finish_deadline is None and result_path(workdir, rank).exists():
+                    finish_deadline = time.monotonic() + self.finish_grace_s
+        stuck = sorted(self.procs.keys() - exitcodes.keys())
+        self._kill_all(signal.SIGKILL)
+        for rank in stuck:
+            exitcodes[rank] = self._reap(rank)
+            supervisor.worker_exited(rank, exitcodes[rank])
+        stuck_reason = (
+            f"still running {self.finish_grace_s} s after a worker finished"
+            if finish_deadline is not None
+            else f"still running after timeout_s={self.timeout_s}"
+        )
+        self.last_report = _report(exitcodes, stuck, stuck_reason, workdir)
+        if stuck and finish_deadline is None:
+            raise TimeoutError(f"the launch did not finish: {_describe_lost(self.last_report)}")
+        return self.last_report
+
+    def _recover_results(self, report: LaunchReport, workdir: Path, trainer: pl.Trainer | None) -> Any:
+        result = read_result(workdir, report.result_rank) if report.result_rank is not None else None
+        if result is None:
+            raise LaunchError(_describe_failure(report, workdir))
+        if report.lost:
+            log.warning("training finished on the survivors; lost workers: %s", _describe_lost(report))
+        if trainer is not None:
+            restore_in_main_process(trainer, result, collect_layers(workdir, report.finished))
+            self._already_fit |= trainer.state.fn == TrainerFn.FITTING
+        return result.value
+
+    def _reap(self, rank: int) -> int:
+        proc = self.procs[rank]
+        proc.join(timeout=_KILL_JOIN_TIMEOUT_S)
+        return proc.exitcode if proc.exitcode is not None else -signal.SIGKILL
+
+    def _kill_all(self, signum: int) -> None:
+        self.kill(signum)
+        for proc in self.procs.values():
+            proc.join(timeout=_KILL_JOIN_TIMEOUT_S)
+
+    def __getstate__(self) -> dict[str, Any]:
+        # Workers get the launcher inside the pickled strategy; processes and services stay here.
+        state = self.__dict__.copy()
+        state["procs"] = {}
+        state["services"] = []
+        return state
+
+
+def _worker_main(
+    spec: _WorkerSpec,
+    env_pipe: Connection,
+    trainer: pl.Trainer | None,
+    function: Callable,
+    args: Any,
+    kwargs: Any,
+    global_states: _GlobalStateSnapshot | None,
+) -> None:
+    _die_with_supervisor(spec.supervisor_pid)
+    if not env_pipe.poll(_RELEASE_TIMEOUT_S):
+        raise TimeoutError(f"the supervisor did not release worker {spec.rank} within {_RELEASE_TIMEOUT_S} s")
+    os.environ.update(env_pipe.recv())
+    env_pipe.close()
+    if global_states is not None:
+        global_states.restore()
+    if spec.spawned:
+        args, kwargs = _disable_module_memory_sharing((args, kwargs))
+    _set_num_threads_if_needed(num_processes=spec.num_processes)
+    try:
+        value = function(*args, **kwargs)
+    except BaseException:
+        write_worker_error(spec.workdir, spec.rank, traceback.format_exc())
+        raise
+    write_worker_result(spec.workdir, spec.rank, value, trainer)
+
+
+def _die_with_supervisor(supervisor_pid: int) -> None:
+    """Make the kernel SIGKILL this worker when the supervisor dies, so that no worker is orphaned."""
+    if sys.platform.startswith("linux"):
+        libc = ctypes.CDLL(None, use_errno=True)
+        if libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0) != 0:
+            raise OSError(ctypes.get_errno(), "prctl(PR_SET_PDEATHSIG) failed")
+    if os.getppid() != supervisor_pid:  # the supervisor died before the prctl took effect
+        os._exit(1)
+
+
+def _report(exitcodes: dict[int, int], stuck: list[int], stuck_reason: str, workdir: Path) -> LaunchReport:
+    """Finished ranks (a result file, not killed by us) and why each other rank was lost."""
+    ranks = sorted(exitcodes)
+    finished = tuple(r for r in ranks if r not in stuck and result_path(workdir, r).exists())
+    lost = {
+        r: f"killed by the supervisor: {stuck_reason}"
+        if r in stuck
+        else _describe_exit(exitcodes[r], read_error(workdir, r))
+        for r in ranks
+        if r not in finished
+    }
+    return LaunchReport({r: exitcodes[r] for r in ranks}, finished, lost, finished[0] if finished else None)
+
+
+def _describe_exit(exitcode: int, error: str | None) -> str:
+    if error is not None:
+        return f"raised {error.strip().splitlines()[-1]}"
+    if exitcode < 0:
+        return f"killed by {signal.Signals(-exitcode).name}"
+    return f"exited with code {exitcode} without a result"
+
+
+def _describe_lost(report: LaunchReport) -> str:
+    return "; ".join(f"rank {rank}: {why}" for rank, why in report.lost.items())
+
+
+def _describe_failure(report: LaunchReport, workdir: Path) -> str:
+    message = f"no worker finished ({len(report.exitcodes)} started): {_describe_lost(report)}"
+    errors = [(rank, read_error(workdir, rank)) for rank in report.lost]
+    first = next(((rank, text) for rank, text in errors if text), None)
+    if first is not None:
+        message += f"\n\ntraceback of rank {first[0]}:\n{first[1]}"
+    return message

@@ -1,0 +1,149 @@
+"""The user contract: what a LightningModule adds so that the Oobleck strategy can cut it into stages.
+
+A user mixes :class:`PipelineModule` into their LightningModule and implements two hooks::
+
+    class MyGPT(PipelineModule, L.LightningModule):
+        def configure_layers(self):            # the model as ordered layers
+            return [Embedding(...), *[Block(...) for _ in range(12)], Head(...)]
+
+        def compute_loss(self, output, target):  # mean loss of one micro-batch
+            return F.cross_entropy(output.flatten(0, 1), target.flatten())
+
+        def configure_optimizers(self):
+            return torch.optim.AdamW(self.parameters(), lr=3e-4)
+
+The mixin supplies ``forward`` (the layers in order) and ``training_step``/``validation_step``/``test_step``
+(``self.pipeline_loss(batch)`` logged as ``train_loss``/``val_loss``/``test_loss``), so the same module also
+trains with any other strategy on one process. Under the Oobleck strategy ``configure_layers`` is called on
+the meta device and each rank materialises only the layers it owns; they are attached as ``self.layers``
+(an ``nn.ModuleDict`` keyed by the global layer index), so ``self.parameters()`` holds exactly the owned
+parameters, named ``layers.<i>.<name>`` in every layout.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+
+from lightning_oobleck.execution.stage import build_reference_model, resolve_layers
+
+_MINIMAL_EXAMPLE = """
+    class MyModel(PipelineModule, L.LightningModule):
+        def configure_layers(self):
+            return [nn.Linear(32, 64), nn.ReLU(), nn.Linear(64, 10)]
+
+        def compute_loss(self, output, target):
+            return nn.functional.cross_entropy(output, target)
+"""
+
+
+class MissingPipelineHookError(TypeError):
+    """The LightningModule does not implement a hook the Oobleck strategy needs."""
+
+
+class PipelineExecutor(ABC):
+    """What runs a module's layers as a pipeline (the Oobleck strategy implements it)."""
+
+    @abstractmethod
+    def pipeline_loss(self, module: PipelineModule, batch: Any, train: bool) -> Tensor:
+        """The global mean loss of ``batch`` (forward and backward when ``train``), the same on every rank."""
+
+
+class PipelineModule:
+    """Mixin for a LightningModule whose model is an ordered sequence of layers (see the module docstring)."""
+
+    layers: nn.ModuleDict
+    init_seed: int = 0
+    """Seeds the initial weights, so the module starts from the same weights under every strategy and layout."""
+
+    def configure_layers(self) -> Sequence[nn.Module]:
+        """The model as ordered layers; layer ``i`` receives the output of layer ``i - 1``."""
+        raise MissingPipelineHookError(
+            f"{type(self).__name__} must implement configure_layers() returning the model as an ordered list "
+            f"of layers, and compute_loss(output, target), for example:\n{_MINIMAL_EXAMPLE}"
+        )
+
+    def compute_loss(self, output: Any, target: Any) -> Tensor:
+        """The mean loss of one micro-batch from the last layer's ``output`` and its ``target``."""
+        raise MissingPipelineHookError(
+            f"{type(self).__name__} must implement compute_loss(output, target) returning the mean loss of a "
+            f"micro-batch, for example:\n{_MINIMAL_EXAMPLE}"
+        )
+
+    def split_batch(self, batch: Any) -> tuple[Any, Any]:
+        """``(inputs, targets)`` of a batch; the default takes a pair. Inputs feed layer 0, targets the loss."""
+        try:
+            inputs, targets = batch
+        except (TypeError, ValueError) as e:
+            raise TypeError(
+                f"{type(self).__name__}.split_batch expects batches as (inputs, targets) pairs; override "
+                "split_batch(self, batch) -> (inputs, targets) for other batch structures"
+            ) from e
+        return inputs, targets
+
+    # ---------------------------------------------------------------- Lightning hooks with defaults
+    def configure_model(self) -> None:
+        """Build every layer on this process unless a pipeline executor builds the owned ones itself."""
+        if not hasattr(self, "layers") and self._executor() is None:
+            self._build_all_layers()
+
+    def load_state_dict(
+        self, state_dict: Mapping[str, Any], strict: bool = True, assign: bool = False
+    ) -> Any:
+        """Like ``nn.Module.load_state_dict``; a module without layers yet builds them all first.
+
+        That is how the weights trained by the workers reach the module in the launching process. The new
+        layers take the loaded tensors as they are (dtype included: a ``64-true`` run returns float64).
+        """
+        if not hasattr(self, "layers") and any(k.startswith("layers.") for k in state_dict):
+            self._build_all_layers()
+            assign = True
+        return super().load_state_dict(state_dict, strict=strict, assign=assign)  # type: ignore[misc]
+
+    def forward(self, inputs: Any) -> Any:
+        x = inputs
+        for layer in self.layers.values():
+            x = layer(x)
+        return x
+
+    def pipeline_loss(self, batch: Any) -> Tensor:
+        """The mean loss of ``batch``: forward (and, under the Oobleck strategy in training, backward too)."""
+        executor = self._executor()
+        if executor is not None:
+            return executor.pipeline_loss(self, batch, train=self.training)
+        inputs, targets = self.split_batch(batch)
+        return self.compute_loss(self(inputs), targets)
+
+    def training_step(self, batch: Any, batch_idx: int) -> Tensor:
+        loss = self.pipeline_loss(batch)
+        self.log("train_loss", loss, prog_bar=True, sync_dist=True)
+        return loss
+
+    def validation_step(self, batch: Any, batch_idx: int) -> Tensor:
+        loss = self.pipeline_loss(batch)
+        self.log("val_loss", loss, prog_bar=True, sync_dist=True)
+        return loss
+
+    def test_step(self, batch: Any, batch_idx: int) -> Tensor:
+        loss = self.pipeline_loss(batch)
+        self.log("test_loss", loss, sync_dist=True)
+        return loss
+
+    # ---------------------------------------------------------------- internals
+    def _build_all_layers(self) -> None:
+        device = torch.get_default_device()
+        self.layers = build_reference_model(self.configure_layers, device, seed=self.init_seed).layers
+
+    def _executor(self) -> PipelineExecutor | None:
+        trainer = getattr(self, "_trainer", None)
+        strategy = getattr(trainer, "strategy", None)
+        return strategy if isinstance(strategy, PipelineExecutor) else None
+
+
+def meta_layers(module: PipelineModule) -> list[nn.Module]:
+    """The module's layers built on the meta device: the model's structure, without memory."""
+    return resolve_layers(module.configure_layers)

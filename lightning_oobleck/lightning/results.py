@@ -1,0 +1,141 @@
+"""What a worker hands back to the supervisor when it finishes, and how the supervisor restores it.
+
+Workers write files into a launch directory instead of a shared queue: a worker SIGKILLed while writing
+to a ``multiprocessing`` queue can leave its lock held and block everyone, while a file is either
+atomically in place (``os.replace``) or absent. Per rank ``r``:
+
+* ``weights-r.pt``: the worker's ``strategy.lightning_module_state_dict()`` (for Oobleck, the layers it owns,
+  under their global names) when fitting; written first;
+* ``result-r.pt``: a :class:`WorkerResult`; its presence means the worker finished;
+* ``error-r.txt``: the traceback if the worker's function raised.
+
+The supervisor takes the run's result from the lowest finished rank and each weight from the lowest
+finished rank that holds it (:func:`collect_layers`), like Lightning's
+``_MultiProcessingLauncher._recover_results_in_main_process`` but from any survivor instead of rank 0.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import torch
+from lightning.fabric.utilities import move_data_to_device
+from lightning.pytorch.trainer.states import TrainerFn, TrainerState
+
+if TYPE_CHECKING:
+    import lightning.pytorch as pl
+
+
+@dataclass(frozen=True)
+class WorkerResult:
+    """The part of a finished worker's Trainer that the caller's Trainer gets back."""
+
+    rank: int
+    value: Any
+    """The launched function's return value, on CPU."""
+    trainer_state: TrainerState | None = None
+    fit_loop_state: dict[str, Any] | None = None
+    """``trainer.fit_loop.state_dict()``: progress, so ``global_step`` and ``current_epoch`` come back."""
+    callback_metrics: dict[str, torch.Tensor] | None = None
+    best_model_path: str | None = None
+
+
+def result_path(workdir: Path, rank: int) -> Path:
+    return workdir / f"result-{rank}.pt"
+
+
+def weights_path(workdir: Path, rank: int) -> Path:
+    return workdir / f"weights-{rank}.pt"
+
+
+def error_path(workdir: Path, rank: int) -> Path:
+    return workdir / f"error-{rank}.txt"
+
+
+def _save_atomically(obj: Any, path: Path) -> None:
+    tmp = path.with_name(path.name + ".tmp")
+    torch.save(obj, tmp)
+    os.replace(tmp, path)
+
+
+def write_worker_result(workdir: Path, rank: int, value: Any, trainer: pl.Trainer | None) -> None:
+    """Worker side, after the function returned: weights (when fitting), then the result marking success."""
+    if trainer is None:
+        _save_atomically(WorkerResult(rank, move_data_to_device(value, "cpu")), result_path(workdir, rank))
+        return
+    fitting = trainer.state.fn == TrainerFn.FITTING
+    # Every rank computes its state dict: a strategy may need collectives for it, as in Lightning's launcher.
+    state_dict = trainer.strategy.lightning_module_state_dict()
+    if fitting:
+        _save_atomically(move_data_to_device(state_dict, "cpu"), weights_path(workdir, rank))
+    checkpoint_callback = trainer.checkpoint_callback
+    result = WorkerResult(
+        rank=rank,
+        value=move_data_to_device(value, "cpu"),
+        trainer_state=trainer.state,
+        fit_loop_state=trainer.fit_loop.state_dict() if fitting else None,
+        callback_metrics=move_data_to_device(dict(trainer.callback_metrics), "cpu"),
+        best_model_path=getattr(checkpoint_callback, "best_model_path", None),
+    )
+    _save_atomically(result, result_path(workdir, rank))
+
+
+def write_worker_error(workdir: Path, rank: int, text: str) -> None:
+    path = error_path(workdir, rank)
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(text)
+    os.replace(tmp, path)
+
+
+def read_result(workdir: Path, rank: int) -> WorkerResult | None:
+    """The result of ``rank`` if it finished (our own temporary files: full unpickling is safe)."""
+    path = result_path(workdir, rank)
+    return torch.load(path, weights_only=False) if path.exists() else None
+
+
+def read_error(workdir: Path, rank: int) -> str | None:
+    path = error_path(workdir, rank)
+    return path.read_text() if path.exists() else None
+
+
+def collect_layers(workdir: Path, ranks: Iterable[int]) -> dict[str, torch.Tensor]:
+    """Merge the weight files of ``ranks``: each entry from the first rank (in the given order) that has it.
+
+    With Oobleck every rank holds only its own layers under global names (``layers.7.attn.weight``); the
+    union over the survivors is the whole model, each layer taken from one surviving replica.
+    """
+    merged: dict[str, torch.Tensor] = {}
+    for rank in ranks:
+        path = weights_path(workdir, rank)
+        if path.exists():
+            for name, tensor in torch.load(path, weights_only=True).items():
+                merged.setdefault(name, tensor)
+    return merged
+
+
+def restore_in_main_process(
+    trainer: pl.Trainer, result: WorkerResult, weights: dict[str, torch.Tensor]
+) -> None:
+    """Give the caller's Trainer the survivor's state, metrics, loop progress and the merged weights."""
+    if trainer.checkpoint_callback is not None and result.best_model_path is not None:
+        trainer.checkpoint_callback.best_model_path = result.best_model_path  # type: ignore[attr-defined]
+    if weights:
+        module = trainer.lightning_module
+        missing = [name for name in module.state_dict() if name not in weights]
+        if missing:
+            raise RuntimeError(
+                f"no finished worker returned {len(missing)} entries of the model's state dict "
+                f"(first: {missing[:3]}); the strategy's lightning_module_state_dict() must return every "
+                "layer a worker owns, under the LightningModule's own parameter names"
+            )
+        module.load_state_dict(weights, strict=False)
+    if result.fit_loop_state is not None:
+        trainer.fit_loop.load_state_dict(result.fit_loop_state)
+    if result.trainer_state is not None:
+        trainer.state = result.trainer_state
+    if result.callback_metrics:
+        trainer.callback_metrics.update(result.callback_metrics)

@@ -1,0 +1,489 @@
+"""``OobleckStrategy``: heterogeneous pipelines inside Lightning's training loop.
+
+How a training step maps onto Lightning's automatic optimisation (which runs ``training_step``, then
+``zero_grad``, then ``backward``, so gradients made inside ``training_step`` would be wiped):
+
+1. ``training_step`` -> :meth:`OobleckStrategy.pipeline_loss` runs this rank's part of the 1F1B schedule
+   (forwards and backwards of every micro-batch plus the cross-pipeline gradient sync) and then *moves*
+   the finished gradients out of ``.grad`` (no copy); it returns the global mean loss, the same on every
+   rank, so ``self.log(..., sync_dist=True)`` reduces correctly.
+2. Lightning's ``zero_grad`` finds no gradients to clear.
+3. :meth:`OobleckStrategy.backward` fires ``on_before_backward``, moves the gradients back into ``.grad``
+   and fires ``on_after_backward``; ``on_before_optimizer_step``, clipping (by the global norm, each layer
+   counted once) and the LR schedulers then run exactly as with DDP.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from datetime import timedelta
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from lightning.fabric.utilities.distributed import _sync_ddp_if_available
+from lightning.fabric.utilities.optimizer import _optimizers_to_device
+from lightning.fabric.utilities.types import ReduceOp
+from lightning.pytorch import LightningModule, Trainer
+from lightning.pytorch.plugins.precision import MixedPrecision, Precision
+from lightning.pytorch.strategies import ParallelStrategy
+from lightning.pytorch.strategies.strategy import TBroadcast
+from lightning.pytorch.trainer.states import TrainerFn
+from lightning.pytorch.utilities.data import _is_dataloader_shuffled
+from lightning.pytorch.utilities.rank_zero import rank_zero_only
+from torch import Tensor
+from torch.optim import Optimizer
+from torch.utils.data import DataLoader, DistributedSampler
+
+from lightning_oobleck.execution import PipelineEngine, ProcessGroups
+from lightning_oobleck.execution.process_groups import backend_for
+from lightning_oobleck.lightning.config import OobleckConfig, load_oobleck_config
+from lightning_oobleck.lightning.data import (
+    DataPosition,
+    GlobalBatchSampler,
+    PipelineDataLoader,
+    share_of_pipeline,
+    wrap_dataloader,
+)
+from lightning_oobleck.lightning.environment import OobleckEnvironment, detect_environment
+from lightning_oobleck.lightning.module import PipelineExecutor, PipelineModule, meta_layers
+from lightning_oobleck.lightning.plan_agreement import agree_on_plan, check_layout_size
+from lightning_oobleck.planning.plan import Plan
+
+
+class OobleckStrategy(ParallelStrategy, PipelineExecutor):
+    """Train a :class:`~lightning_oobleck.lightning.module.PipelineModule` as Oobleck pipelines.
+
+    Keyword arguments are the fields of :class:`~lightning_oobleck.lightning.config.OobleckConfig`
+    (``global_batch_size``, ``microbatch_size``, ``fault_tolerance``, ``devices_per_node``, ...).
+    """
+
+    strategy_name = "oobleck"
+
+    def __init__(
+        self,
+        config: OobleckConfig | None = None,
+        *,
+        accelerator: Any = None,
+        parallel_devices: list[torch.device] | None = None,
+        cluster_environment: OobleckEnvironment | None = None,
+        checkpoint_io: Any = None,
+        precision_plugin: Precision | None = None,
+        **config_fields: Any,
+    ) -> None:
+        super().__init__(
+            accelerator=accelerator,
+            parallel_devices=parallel_devices,
+            cluster_environment=cluster_environment or detect_environment(),
+            checkpoint_io=checkpoint_io,
+            precision_plugin=precision_plugin,
+        )
+        self.config = load_oobleck_config({**_as_dict(config), **config_fields})
+        self.config.validate()
+        self._num_nodes = 1
+        self._groups: ProcessGroups | None = None
+        self._engine: PipelineEngine | None = None
+        self._in_flight = DataPosition()
+        self._stashed_grads: list[Tensor | None] | None = None
+
+    @classmethod
+    def from_config(cls, cfg: Any, **kwargs: Any) -> OobleckStrategy:
+        """From an OmegaConf node, a dict or a YAML path holding :class:`OobleckConfig` keys."""
+        return cls(load_oobleck_config(cfg), **kwargs)
+
+    # ------------------------------------------------------------------ topology
+    @property
+    def is_distributed(self) -> bool:
+        return True
+
+    @property
+    def root_device(self) -> torch.device:
+        assert self.parallel_devices is not None
+        return self.parallel_devices[self.local_rank]
+
+    @property
+    def num_nodes(self) -> int:
+        return self._num_nodes
+
+    @num_nodes.setter
+    def num_nodes(self, num_nodes: int) -> None:
+        self._num_nodes = num_nodes
+
+    @property
+    def num_processes(self) -> int:
+        return len(self.parallel_devices) if self.parallel_devices is not None else 0
+
+    @property
+    def plan(self) -> Plan:
+        """The plan this process runs (available after ``setup_environment``)."""
+        return self._require_groups().plan
+
+    @property
+    def engine(self) -> PipelineEngine:
+        if self._engine is None:
+            raise RuntimeError("the pipeline engine exists only after the strategy's setup()")
+        return self._engine
+
+    @property
+    def data_position(self) -> DataPosition:
+        """The next training global batch (epoch, step): what a restart or a reconfiguration resumes from."""
+        sampler = self._train_sampler()
+        return sampler.position if sampler is not None else DataPosition()
+
+    def _train_sampler(self) -> GlobalBatchSampler | None:
+        trainer = self.lightning_module.trainer if self.lightning_module is not None else None
+        loader = trainer.train_dataloader if trainer is not None else None
+        return loader.batch_sampler if isinstance(loader, PipelineDataLoader) else None
+
+    def _configure_launcher(self) -> None:
+        # Lightning calls this once devices and precision are known: refuse what cannot run before launching.
+        self._check_precision()
+        if self.config.layout is not None:
+            check_layout_size(self.config, self.num_processes * self.num_nodes)
+        assert self.cluster_environment is not None
+        if not self.cluster_environment.creates_processes_externally:
+            from lightning_oobleck.lightning.launcher import OobleckLauncher
+
+            self._launcher = OobleckLauncher(
+                self.num_processes * self.num_nodes,
+                devices_per_node=self.config.devices_per_node,
+                start_method=self.config.start_method,  # type: ignore[arg-type]
+            )
+
+    # ------------------------------------------------------------------ environment and setup
+    def setup_environment(self) -> None:
+        super().setup_environment()
+        environment = self._environment()
+        module = self._pipeline_module()
+        self.config = self.config.with_batch(self._loader_batch_size(), environment.world_size())
+        store = _connect_store(environment, self.config)
+        layers = meta_layers(module)
+        plan = agree_on_plan(
+            store,
+            environment.global_rank() == 0,
+            self.config,
+            len(layers),
+            environment.world_size(),
+            make_plan=lambda: self._planner_plan(module, environment.world_size()),
+        )
+        self._check_world(plan)
+        self._groups = ProcessGroups(
+            plan,
+            environment.worker,
+            store,
+            generation=0,
+            backend=self.config.backend or backend_for(self.root_device),
+            timeout=timedelta(seconds=self.config.collective_timeout_s),
+            world_size=environment.world_size(),
+        )
+        environment.set_global_rank(self._groups.rank)
+        environment.set_world_size(self._groups.world_size)
+        rank_zero_only.rank = self._groups.rank
+
+    def setup(self, trainer: Trainer) -> None:
+        assert self.accelerator is not None
+        self.accelerator.setup(trainer)
+        self._check_trainer(trainer)
+        module = self._pipeline_module()
+        self._engine = self._build_engine(module)
+        module.layers = self._engine.module.layers
+        self.model_to_device()
+        if trainer.state.fn == TrainerFn.FITTING:
+            self.setup_optimizers(trainer)
+            self._check_optimizers()
+        self.setup_precision_plugin()
+        # Lightning clips the parameters this process holds; the norm must cover every layer, once.
+        self.precision_plugin.clip_grad_by_norm = self._clip_grad_by_global_norm  # type: ignore[method-assign]
+        if trainer.state.fn == TrainerFn.FITTING:
+            _optimizers_to_device(self.optimizers, self.root_device)
+
+    def _build_engine(self, module: PipelineModule) -> PipelineEngine:
+        """Materialise the owned layers; weights the module already holds (a previous fit's) are kept."""
+        with self.precision_plugin.tensor_init_context():
+            engine = PipelineEngine(
+                module.configure_layers,
+                module.compute_loss,
+                self._require_groups(),
+                self.root_device,
+                seed=module.init_seed,
+            )
+        held = getattr(module, "layers", None)
+        if held is not None:
+            owned = engine.module.layers
+            owned.load_state_dict({k: v for k, v in held.state_dict().items() if k.split(".")[0] in owned})
+        return engine
+
+    def _loader_batch_size(self) -> int | None:
+        """``batch_size`` of the DataLoader this run trains (or evaluates) on, if it can be had yet."""
+        trainer = self.lightning_module.trainer
+        loop = {
+            TrainerFn.FITTING: trainer.fit_loop,
+            TrainerFn.VALIDATING: trainer.validate_loop,
+            TrainerFn.TESTING: trainer.test_loop,
+        }.get(trainer.state.fn)
+        source = getattr(loop, "_data_source", None)
+        try:
+            loader = source.dataloader() if source is not None and source.is_defined() else None
+        except Exception:  # a DataModule may need its setup() first: then the size must be configured
+            return None
+        return getattr(loader, "batch_size", None)
+
+    def _planner_plan(self, module: PipelineModule, num_workers: int) -> Plan:
+        """Profile the layers (or load the profile) and let the planner place them on the workers.
+
+        ``planner`` options go to ``make_plan``; ``planner.cluster`` (a dict) describes the devices.
+        """
+        from lightning_oobleck.execution import profile_layers
+        from lightning_oobleck.planning import ClusterSpec, make_plan
+        from lightning_oobleck.planning.profile import ModelProfile
+
+        cfg = self.config
+        if cfg.profile_path is not None:
+            profile = ModelProfile.load(cfg.profile_path)
+        else:
+            example = module.example_input_array
+            if not isinstance(example, Tensor) or example.shape[0] != cfg.microbatch_size:
+                raise ValueError(
+                    "to plan, the strategy profiles every layer on one micro-batch: set "
+                    f"self.example_input_array to the inputs of {cfg.microbatch_size} samples in your "
+                    "module's __init__, or give OobleckStrategy(profile_path=..., layout=... or plan_path=...)"
+                )
+            with self.precision_plugin.tensor_init_context():
+                profile = profile_layers(module.configure_layers, example, self.root_device, seed=module.init_seed)
+        options = dict(cfg.planner)
+        cluster = ClusterSpec(**options.pop("cluster", {}))
+        return make_plan(
+            profile,
+            cluster,
+            num_nodes=num_workers // cfg.devices_per_node,
+            gpus_per_node=cfg.devices_per_node,
+            fault_tolerance=cfg.fault_tolerance,
+            global_batch_size=cfg.global_batch_size,
+            microbatch_size=cfg.microbatch_size,
+            **options,
+        )
+
+    def model_to_device(self) -> None:
+        assert self.model is not None
+        self.model.to(self.root_device)
+
+    def teardown(self) -> None:
+        if self._groups is not None:
+            self._groups.destroy()
+            self._groups = None
+        self._engine = None
+        super().teardown()
+
+    # ------------------------------------------------------------------ the step
+    def pipeline_loss(self, module: PipelineModule, batch: Any, train: bool) -> Tensor:
+        engine = self.engine
+        inputs, targets = module.split_batch(batch)
+        inputs = inputs if engine.is_first_stage else None
+        targets = targets if engine.is_last_stage else None
+        if train:
+            self._clear_grads()
+            part = engine.train_step(inputs, targets)
+            self._stash_grads()
+        else:
+            part = engine.eval_step(inputs, targets)
+        loss = part.detach() if part is not None else torch.zeros((), device=self.root_device)
+        # The last stages hold their pipeline's share of the global mean; the sum is the global mean.
+        dist.all_reduce(loss)
+        return loss.requires_grad_() if train else loss
+
+    def backward(
+        self, closure_loss: Tensor, optimizer: Optimizer | None, *args: Any, **kwargs: Any
+    ) -> Tensor:
+        """Fire the backward hooks around handing back the gradients the schedule already computed."""
+        module = self.lightning_module
+        assert module is not None
+        self.pre_backward(closure_loss)
+        closure_loss = self.precision_plugin.pre_backward(closure_loss, module)
+        self._restore_grads()
+        closure_loss = self.precision_plugin.post_backward(closure_loss, module)
+        self.post_backward(closure_loss)
+        return closure_loss
+
+    def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
+        # The batch in flight; after its optimizer step the position moves past it (see optimizer_step).
+        self._in_flight = DataPosition(self.lightning_module.current_epoch, batch_idx)
+
+    def optimizer_step(
+        self,
+        optimizer: Optimizer,
+        closure: Callable[[], Any],
+        model: LightningModule | torch.nn.Module | None = None,
+        **kwargs: Any,
+    ) -> Any:
+        output = super().optimizer_step(optimizer, closure, model, **kwargs)
+        sampler = self._train_sampler()
+        if sampler is not None:
+            sampler.advance(self._in_flight.epoch, self._in_flight.step + 1)
+        return output
+
+    def _params(self) -> list[Tensor]:
+        return list(self.engine.module.parameters())
+
+    def _clear_grads(self) -> None:
+        for p in self._params():
+            p.grad = None
+
+    def _stash_grads(self) -> None:
+        params = self._params()
+        self._stashed_grads = [p.grad for p in params]
+        for p in params:
+            p.grad = None
+
+    def _restore_grads(self) -> None:
+        if self._stashed_grads is None:
+            raise RuntimeError(
+                "backward() without a pipeline step: under the oobleck strategy the loss must come from "
+                "self.pipeline_loss(batch) inside training_step"
+            )
+        for p, grad in zip(self._params(), self._stashed_grads, strict=True):
+            p.grad = grad
+        self._stashed_grads = None
+
+    def _clip_grad_by_global_norm(self, optimizer: Optimizer, clip_val: float) -> None:
+        """``torch.nn.utils.clip_grad_norm_`` with the norm of the whole model, each layer counted once."""
+        total = torch.as_tensor(self.engine.grad_norm_sq(), dtype=torch.float64, device=self.root_device)
+        dist.all_reduce(total)
+        coef = torch.clamp(clip_val / (total.sqrt() + 1e-6), max=1.0)
+        grads = [p.grad for group in optimizer.param_groups for p in group["params"] if p.grad is not None]
+        for grad in grads:
+            grad.mul_(coef.to(grad.dtype))
+
+    # ------------------------------------------------------------------ data
+    def process_dataloader(self, dataloader: object) -> object:
+        """Replace the sampler: each rank loads its pipeline's share of every global batch."""
+        if not isinstance(dataloader, DataLoader):
+            raise TypeError(
+                f"the oobleck strategy needs torch DataLoaders over map-style datasets, got {type(dataloader)}"
+            )
+        try:
+            num_samples = len(dataloader.dataset)  # type: ignore[arg-type]
+        except TypeError as e:
+            raise TypeError(
+                "the oobleck strategy needs a map-style dataset (with __len__ and __getitem__) so that every "
+                "pipeline can load its share of each global batch"
+            ) from e
+        groups = self._require_groups()
+        pipeline = groups.plan.role(*groups.worker).pipeline
+        sampler = GlobalBatchSampler(
+            num_samples,
+            self.config.global_batch_size,
+            seed=self.config.seed,
+            # Lightning asks for shuffling exactly as it would with DDP (training loaders by default).
+            shuffle=_shuffles(dataloader),
+            share=share_of_pipeline(groups.plan.microbatch_range(pipeline), self.config.microbatch_size),
+        )
+        return wrap_dataloader(dataloader, sampler)
+
+    # ------------------------------------------------------------------ collectives on the current default group
+    def reduce(
+        self, tensor: Tensor | Any, group: Any | None = None, reduce_op: ReduceOp | str | None = "mean"
+    ) -> Tensor | Any:
+        if isinstance(tensor, Tensor):
+            return _sync_ddp_if_available(tensor, group, reduce_op=reduce_op)
+        return tensor
+
+    def barrier(self, name: str | None = None) -> None:
+        if dist.is_initialized():
+            dist.barrier()
+
+    def broadcast(self, obj: TBroadcast, src: int = 0) -> TBroadcast:
+        if not dist.is_initialized():
+            return obj
+        box = [obj]
+        dist.broadcast_object_list(box, src)
+        return box[0]
+
+    # ------------------------------------------------------------------ checks
+    def _environment(self) -> OobleckEnvironment:
+        environment = self.cluster_environment
+        if not isinstance(environment, OobleckEnvironment):
+            raise TypeError(
+                f"the oobleck strategy needs an OobleckEnvironment (local or SLURM), got {type(environment)}; "
+                "leave cluster_environment unset to detect it"
+            )
+        return environment
+
+    def _pipeline_module(self) -> PipelineModule:
+        module = self.lightning_module
+        if not isinstance(module, PipelineModule):
+            raise TypeError(
+                f"{type(module).__name__} cannot be cut into pipeline stages: mix PipelineModule into it and "
+                "declare the model as ordered layers, e.g.\n"
+                "    class MyModel(PipelineModule, L.LightningModule):\n"
+                "        def configure_layers(self):\n"
+                "            return [nn.Linear(32, 64), nn.ReLU(), nn.Linear(64, 10)]\n"
+                "        def compute_loss(self, output, target):\n"
+                "            return nn.functional.cross_entropy(output, target)"
+            )
+        return module
+
+    def _check_world(self, plan: Plan) -> None:
+        launched = self._environment().world_size()
+        if len(plan.workers) != launched:
+            raise ValueError(
+                f"the plan runs {len(plan.workers)} workers ({len(plan.nodes)} nodes x "
+                f"{plan.gpus_per_node} devices) but {launched} processes were launched: set "
+                f"Trainer(devices=..., num_nodes=...) to match, or give a layout/plan for {launched} workers"
+            )
+
+    def _check_trainer(self, trainer: Trainer) -> None:
+        module = self.lightning_module
+        assert module is not None
+        if trainer.state.fn == TrainerFn.FITTING and trainer.accumulate_grad_batches != 1:
+            raise ValueError(
+                f"accumulate_grad_batches={trainer.accumulate_grad_batches} is not supported by the oobleck "
+                "strategy: a step already accumulates over its micro-batches. Raise global_batch_size "
+                f"instead (global_batch_size={self.config.global_batch_size * trainer.accumulate_grad_batches} "
+                "is equivalent)"
+            )
+        if not module.automatic_optimization:
+            raise ValueError("the oobleck strategy supports automatic optimisation only")
+
+    def _check_precision(self) -> None:
+        if isinstance(self.precision_plugin, MixedPrecision) and self.precision_plugin.scaler is not None:
+            raise ValueError(
+                "precision='16-mixed' needs a gradient scaler around a backward that the pipeline schedule runs "
+                "itself; use precision='bf16-mixed' (no scaler needed) or '32-true'"
+            )
+
+    def _check_optimizers(self) -> None:
+        owned = {id(p) for p in self._params()}
+        for optimizer in self.optimizers:
+            for group in optimizer.param_groups:
+                if any(id(p) not in owned for p in group["params"]):
+                    raise ValueError(
+                        "configure_optimizers must optimise self.parameters() (the layers this process owns); "
+                        "an optimizer holds a parameter outside self.layers"
+                    )
+
+    def _require_groups(self) -> ProcessGroups:
+        if self._groups is None:
+            raise RuntimeError("the process groups exist only after the strategy's setup_environment()")
+        return self._groups
+
+    @classmethod
+    def register_strategies(cls, strategy_registry: Any) -> None:
+        strategy_registry.register(
+            cls.strategy_name, cls, description="Oobleck: fault-tolerant heterogeneous pipelines"
+        )
+
+
+def _as_dict(config: OobleckConfig | None) -> dict[str, Any]:
+    if config is None:
+        return {}
+    return {k: getattr(config, k) for k in OobleckConfig.__dataclass_fields__}
+
+
+def _shuffles(loader: DataLoader) -> bool:
+    sampler = loader.sampler
+    return sampler.shuffle if isinstance(sampler, DistributedSampler) else _is_dataloader_shuffled(loader)
+
+
+def _connect_store(environment: OobleckEnvironment, config: OobleckConfig) -> dist.Store:
+    host, port = environment.store_address
+    return dist.TCPStore(host, port, is_master=False, timeout=timedelta(seconds=config.plan_timeout_s))

@@ -1,0 +1,41 @@
+"""The cluster the planner places a model on: node count, devices per node, memory and links."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass
+class ClusterSpec:
+    """N identical nodes of G identical devices.
+
+    Defaults describe an A40-class node (48 GB devices, NVLink-class links inside a node, a 200 Gb/s
+    network between nodes). Bandwidths are in bytes per second, latencies in seconds.
+    """
+
+    num_nodes: int = 1
+    gpus_per_node: int = 1
+    device_memory_bytes: float = 48e9
+    intra_node_bandwidth: float = 100e9
+    inter_node_bandwidth: float = 25e9
+    intra_node_latency_s: float = 5e-6
+    inter_node_latency_s: float = 20e-6
+    device_memory_bandwidth: float = 700e9
+    """Device memory bandwidth: the optimizer step is bound by it."""
+
+    def validate(self) -> None:
+        """Raise ``ValueError`` naming the first field that cannot describe a real cluster."""
+        for name in ("num_nodes", "gpus_per_node"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"cluster.{name} must be at least 1, got {getattr(self, name)}")
+        for name in (
+            "device_memory_bytes",
+            "intra_node_bandwidth",
+            "inter_node_bandwidth",
+            "device_memory_bandwidth",
+        ):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"cluster.{name} must be positive, got {getattr(self, name)}")
+        for name in ("intra_node_latency_s", "inter_node_latency_s"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"cluster.{name} must not be negative, got {getattr(self, name)}")

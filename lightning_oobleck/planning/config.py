@@ -1,0 +1,63 @@
+"""The planner's configuration schema (loaded with :func:`lightning_oobleck.config.load_config`)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from lightning_oobleck.planning.batch import num_microbatches
+from lightning_oobleck.planning.cluster import ClusterSpec
+from lightning_oobleck.planning.profile import ModelProfile, synthetic_gpt_profile
+
+
+@dataclass
+class SyntheticModelSpec:
+    """A GPT-like model for :func:`synthetic_gpt_profile`, used when no measured profile is given."""
+
+    layers: int = 24
+    hidden: int = 2048
+    seq_len: int = 2048
+    heads: int = 0
+    """0: ``hidden // 128``."""
+    vocab_size: int = 50257
+    dtype: str = "float16"
+    device_flops: float = 1.0e14
+    """Achieved FLOP/s of one device."""
+
+
+@dataclass
+class PlannerConfig:
+    """Everything ``oobleck plan`` needs: the cluster, the model, the guarantee and the batch."""
+
+    cluster: ClusterSpec = field(default_factory=ClusterSpec)
+    model: SyntheticModelSpec = field(default_factory=SyntheticModelSpec)
+    profile: str | None = None
+    """Path of a measured profile JSON (``ModelProfile.save``); replaces ``model``."""
+    fault_tolerance: int = 1
+    global_batch: int = 512
+    microbatch: int = 4
+    state_factor: float | None = None
+    """Bytes of parameter + gradient + optimizer state per parameter byte; None: from the dtype."""
+    exact_limit: int = 20_000
+    """Evaluate every template multiset when there are at most this many (exact instantiation)."""
+
+    def validate(self) -> None:
+        self.cluster.validate()
+        if self.fault_tolerance < 0:
+            raise ValueError(f"fault_tolerance must be >= 0, got {self.fault_tolerance}")
+        num_microbatches(self.global_batch, self.microbatch)
+
+    def load_profile(self) -> ModelProfile:
+        """The measured profile if ``profile`` is set, else the synthetic GPT one for ``model``."""
+        if self.profile is not None:
+            return ModelProfile.load(self.profile)
+        m = self.model
+        return synthetic_gpt_profile(
+            m.layers,
+            m.hidden,
+            m.seq_len,
+            self.microbatch,
+            m.device_flops,
+            heads=m.heads or None,
+            vocab_size=m.vocab_size,
+            dtype=m.dtype,
+        )

@@ -1,0 +1,169 @@
+"""The cost model: predicted times and memory of stages, pipelines and gradient synchronisation.
+
+All costs derive from a :class:`ModelProfile` (per-layer times and bytes for one micro-batch) and a
+:class:`ClusterSpec` (memory, bandwidths, latencies). Layer ranges are half-open ``[i, j)``.
+
+Pipeline iteration time (1F1B). A pipeline of ``S`` stages with per-micro-batch stage times
+``t_0..t_{S-1}`` (forward + backward + the stage's outgoing point-to-point transfers) runs ``m``
+micro-batches in::
+
+    T(m) = sum_s t_s + (m - 1) * max_s t_s
+
+the first micro-batch crosses every stage once (pipeline fill and drain), every further one adds the
+slowest stage's time (steady state). This is :meth:`PipelineTemplate.iteration_time_s`.
+
+Memory of stage ``s`` of ``S``: ``(parameter bytes) * state_factor`` for parameters, gradients and
+optimizer state, plus the activations of the ``min(S - s, m)`` micro-batches 1F1B keeps in flight on
+that stage (stage 0 holds the most). Templates are checked with ``m >= S`` (the worst case), so they
+stay feasible whatever batch they are given later.
+
+Gradient synchronisation: each layer's gradient is all-reduced across the ``k`` pipelines holding a
+replica (ring all-reduce over the inter-node network)::
+
+    allreduce(bytes, k) = 2 (k - 1) / k * bytes / inter_bw + 2 (k - 1) * inter_latency
+
+A device runs the all-reduces of its own layers one after the other, then its optimizer step, which
+reads and writes the parameter state once (``2 * bytes * state_factor / memory_bandwidth``).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+from numpy.typing import ArrayLike
+
+from lightning_oobleck.planning.cluster import ClusterSpec
+from lightning_oobleck.planning.plan import PipelineTemplate
+from lightning_oobleck.planning.profile import ModelProfile
+
+
+def default_state_factor(dtype: str) -> float:
+    """Bytes of parameter + gradient + Adam state per byte of parameters.
+
+    Mixed precision (16-bit parameters): 2 + 2 (param, grad) + 12 (float32 master, m, v) = 16 bytes per
+    2-byte parameter, a factor of 8. Full precision: param, grad, m, v, a factor of 4.
+    """
+    return 8.0 if dtype in ("float16", "bfloat16") else 4.0
+
+
+class CostModel:
+    """Predicted costs for one model on one cluster, with prefix sums for O(1) layer-range queries."""
+
+    def __init__(
+        self, profile: ModelProfile, cluster: ClusterSpec, state_factor: float | None = None
+    ) -> None:
+        self.profile = profile
+        self.cluster = cluster
+        self.state_factor = default_state_factor(profile.dtype) if state_factor is None else state_factor
+        layers = profile.layers
+
+        def prefix(values: list[float]) -> np.ndarray:
+            return np.concatenate(([0.0], np.cumsum(np.asarray(values, dtype=np.float64))))
+
+        self._compute = prefix([la.forward_s + la.backward_s for la in layers])
+        self._params = prefix([la.parameter_bytes for la in layers])
+        self._activations = prefix([la.activation_bytes for la in layers])
+        self._outputs = np.asarray([la.output_activation_bytes for la in layers], dtype=np.float64)
+
+    @property
+    def num_layers(self) -> int:
+        return self.profile.num_layers
+
+    # ------------------------------------------------------------------ scalar queries
+    def compute_s(self, first: int, end: int) -> float:
+        """Forward + backward time of layers ``[first, end)`` for one micro-batch."""
+        return float(self._compute[end] - self._compute[first])
+
+    def parameter_bytes(self, first: int, end: int) -> float:
+        return float(self._params[end] - self._params[first])
+
+    def _link(self, same_node: bool) -> tuple[float, float]:
+        c = self.cluster
+        if same_node:
+            return c.intra_node_latency_s, c.intra_node_bandwidth
+        return c.inter_node_latency_s, c.inter_node_bandwidth
+
+    def p2p_s(self, nbytes: float, same_node: bool) -> float:
+        """Time to send ``nbytes`` to a neighbouring stage on the same node or on another node."""
+        latency, bandwidth = self._link(same_node)
+        return latency + nbytes / bandwidth
+
+    def stage_time_s(self, first: int, end: int, stage: int, num_stages: int) -> float:
+        """Per-micro-batch time of stage ``stage`` holding ``[first, end)``: compute + outgoing sends.
+
+        Forward it sends its output to the next stage; backward it sends the gradient of its input
+        (the size of layer ``first - 1``'s output) to the previous stage. Stage ``s`` runs on template
+        node ``s // G``, so a boundary crosses nodes exactly when the next stage index is a multiple of G.
+        """
+        g = self.cluster.gpus_per_node
+        t = self.compute_s(first, end)
+        if stage < num_stages - 1:
+            t += self.p2p_s(self._outputs[end - 1], same_node=(stage + 1) % g != 0)
+        if stage > 0:
+            t += self.p2p_s(self._outputs[first - 1], same_node=stage % g != 0)
+        return t
+
+    def stage_memory_bytes(
+        self, first: int, end: int, stage: int, num_stages: int, microbatches: int | None = None
+    ) -> float:
+        """Peak memory of stage ``stage`` of ``num_stages``; ``microbatches=None`` means ``m >= S``."""
+        in_flight = num_stages - stage if microbatches is None else min(num_stages - stage, microbatches)
+        activations = self._activations[end] - self._activations[first]
+        return float(self.parameter_bytes(first, end) * self.state_factor + activations * in_flight)
+
+    @staticmethod
+    def pipeline_time_s(stage_times: np.ndarray | list[float], microbatches: int) -> float:
+        """1F1B iteration time ``sum_s t_s + (m - 1) max_s t_s`` (see the module docstring)."""
+        t = np.asarray(stage_times, dtype=np.float64)
+        return float(t.sum() + (microbatches - 1) * t.max()) if microbatches > 0 else 0.0
+
+    def allreduce_s(self, nbytes: ArrayLike, replicas: ArrayLike) -> np.ndarray:
+        """Ring all-reduce of ``nbytes`` across ``replicas`` pipelines (0 for a single replica)."""
+        k = np.maximum(np.asarray(replicas, dtype=np.float64), 1.0)
+        c = self.cluster
+        return (
+            2 * (k - 1) / k * np.asarray(nbytes) / c.inter_node_bandwidth
+            + 2 * (k - 1) * c.inter_node_latency_s
+        )
+
+    def optimizer_step_s(self, parameter_bytes: ArrayLike) -> np.ndarray:
+        """Optimizer step over ``parameter_bytes`` of parameters: read and write their state once."""
+        return 2 * np.asarray(parameter_bytes) * self.state_factor / self.cluster.device_memory_bandwidth
+
+    def template_tails_s(self, template: PipelineTemplate, replicas: ArrayLike) -> np.ndarray:
+        """Gradient sync + optimizer step of the template's slowest device, for each replica count.
+
+        A device all-reduces its layers one after the other (one latency term per layer), then steps.
+        """
+        k = np.atleast_1d(np.asarray(replicas, dtype=np.float64))[:, None]
+        first = np.array([s.first_layer for s in template.stages])
+        end = np.array([s.end_layer for s in template.stages])
+        params = (self._params[end] - self._params[first])[None, :]
+        sync = self.allreduce_s(params, k) + (end - first - 1)[None, :] * self.allreduce_s(0.0, k)
+        return (sync + self.optimizer_step_s(params)).max(axis=1)
+
+    # ------------------------------------------------------------------ matrices for the template search
+    def stage_time_matrices(self, num_stages: int) -> np.ndarray:
+        """``M[s, i, j]`` = :meth:`stage_time_s` of ``[i, j)`` as stage ``s``; ``inf`` where ``j <= i``."""
+        n = self.num_layers + 1
+        base = self._compute[None, :] - self._compute[:, None]
+        base = np.where(np.arange(n)[None, :] > np.arange(n)[:, None], base, np.inf)
+        boundary = np.concatenate(([0.0], self._outputs))  # bytes crossing the boundary before layer j
+        g = self.cluster.gpus_per_node
+        out = np.empty((num_stages, n, n))
+        for s in range(num_stages):
+            t = base
+            if s < num_stages - 1:
+                latency, bandwidth = self._link((s + 1) % g != 0)
+                t = t + (latency + boundary / bandwidth)[None, :]
+            if s > 0:
+                latency, bandwidth = self._link(s % g != 0)
+                t = t + (latency + boundary / bandwidth)[:, None]
+            out[s] = t
+        return out
+
+    def stage_memory_matrices(self, num_stages: int) -> np.ndarray:
+        """``M[s, i, j]`` = :meth:`stage_memory_bytes` of ``[i, j)`` as stage ``s`` with ``m >= S``."""
+        params = self._params[None, :] - self._params[:, None]
+        acts = self._activations[None, :] - self._activations[:, None]
+        in_flight = (num_stages - np.arange(num_stages))[:, None, None]
+        return params[None] * self.state_factor + acts[None] * in_flight

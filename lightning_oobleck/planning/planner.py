@@ -1,0 +1,178 @@
+"""The planner's entry point: profile + cluster + fault tolerance + batch -> :class:`Plan`.
+
+``make_plan`` runs the whole method once: ``n0`` and the template sizes (node specification), one
+template per size, the instantiation that uses every node in at least ``f + 1`` pipelines, and the
+batch distribution. Everything :mod:`lightning_oobleck.planning.reconfigure` needs later (profile,
+cluster, options) travels in ``Plan.extra``, so ``oobleck replan`` works from the plan's JSON alone.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass, replace
+from typing import Any
+
+from lightning_oobleck.planning.batch import distribute_microbatches, num_microbatches
+from lightning_oobleck.planning.cluster import ClusterSpec
+from lightning_oobleck.planning.cost import CostModel
+from lightning_oobleck.planning.instantiation import instantiate
+from lightning_oobleck.planning.node_spec import min_nodes, template_sizes
+from lightning_oobleck.planning.plan import Pipeline, PipelineTemplate, Plan
+from lightning_oobleck.planning.profile import ModelProfile
+from lightning_oobleck.planning.templates import generate_templates
+
+
+class PlanningError(ValueError):
+    """The request cannot be planned; the message says what to change."""
+
+
+@dataclass(frozen=True)
+class PlannerInputs:
+    """What a plan is made from, beside the batch: kept in ``Plan.extra`` for replanning."""
+
+    profile: ModelProfile
+    cluster: ClusterSpec
+    fault_tolerance: int
+    """The requested ``f`` (a plan may tolerate fewer failures after losing nodes)."""
+    state_factor: float | None = None
+    exact_limit: int = 20_000
+
+    def cost(self) -> CostModel:
+        return CostModel(self.profile, self.cluster, self.state_factor)
+
+    def to_extra(self, next_node_id: int) -> dict[str, Any]:
+        return {
+            "profile": self.profile.to_dict(),
+            "cluster": asdict(self.cluster),
+            "requested_fault_tolerance": self.fault_tolerance,
+            "state_factor": self.state_factor,
+            "exact_limit": self.exact_limit,
+            "next_node_id": next_node_id,
+        }
+
+    @classmethod
+    def from_plan(cls, plan: Plan) -> PlannerInputs:
+        try:
+            e = plan.extra
+            return cls(
+                profile=ModelProfile.from_dict(e["profile"]),
+                cluster=ClusterSpec(**e["cluster"]),
+                fault_tolerance=int(e["requested_fault_tolerance"]),
+                state_factor=e.get("state_factor"),
+                exact_limit=int(e.get("exact_limit", 20_000)),
+            )
+        except (KeyError, TypeError) as err:
+            raise PlanningError(
+                f"the plan has no planner inputs ({err} missing from 'extra'): replan needs a plan written "
+                "by `oobleck plan --json` or make_plan"
+            ) from err
+
+
+def make_plan(
+    profile: ModelProfile,
+    cluster: ClusterSpec | None = None,
+    *,
+    fault_tolerance: int,
+    global_batch_size: int,
+    microbatch_size: int | None = None,
+    num_nodes: int | None = None,
+    gpus_per_node: int | None = None,
+    state_factor: float | None = None,
+    exact_limit: int = 20_000,
+) -> Plan:
+    """The fastest plan that uses every node of the cluster in at least ``f + 1`` pipelines.
+
+    ``cluster`` describes the nodes; ``num_nodes`` / ``gpus_per_node`` override its counts (or build a
+    default :class:`ClusterSpec` when ``cluster`` is None). ``microbatch_size`` defaults to the one
+    the profile was measured for and must match it.
+    """
+    started = time.perf_counter()
+    cluster = cluster or ClusterSpec()
+    counts = {"num_nodes": num_nodes, "gpus_per_node": gpus_per_node}
+    cluster = replace(cluster, **{k: v for k, v in counts.items() if v is not None})
+    cluster.validate()
+    microbatch = profile.microbatch_size if microbatch_size is None else microbatch_size
+    global_batch = global_batch_size
+    total = num_microbatches(global_batch, microbatch)
+    if profile.microbatch_size != microbatch:
+        raise PlanningError(
+            f"the profile was measured for micro-batch {profile.microbatch_size}, the plan asks for "
+            f"{microbatch}: profile again with micro-batch {microbatch} or plan with micro-batch "
+            f"{profile.microbatch_size}"
+        )
+    if fault_tolerance < 0:
+        raise PlanningError(f"the fault tolerance must be >= 0, got {fault_tolerance}")
+    if total < fault_tolerance + 1:
+        raise PlanningError(
+            f"{total} micro-batches cannot feed the {fault_tolerance + 1} pipelines that f={fault_tolerance} "
+            f"needs: raise the global batch to at least {(fault_tolerance + 1) * microbatch}"
+        )
+    inputs = PlannerInputs(profile, cluster, fault_tolerance, state_factor, exact_limit)
+    cost = inputs.cost()
+    n0 = min_nodes(cost)
+    nodes = cluster.num_nodes
+    if nodes < (fault_tolerance + 1) * n0:
+        most = nodes // n0 - 1
+        fix = f"lower --fault-tolerance to {most} or use" if most >= 0 else "use"
+        raise PlanningError(
+            f"f={fault_tolerance} needs {fault_tolerance + 1} pipelines of at least n0={n0} node(s), i.e. "
+            f"{(fault_tolerance + 1) * n0} nodes, but the cluster has {nodes}: {fix} at least "
+            f"{(fault_tolerance + 1) * n0} nodes"
+        )
+    sizes = template_sizes(cost, n0, nodes, fault_tolerance)
+    templates = generate_templates(cost, sizes, {n: max(1, round(total * n / nodes)) for n in sizes})
+    chosen = instantiate(templates, cost, nodes, fault_tolerance, total, exact_limit)
+    warnings = []
+    if missing := sorted(set(range(n0, 2 * n0)) - set(sizes)):
+        warnings.append(
+            f"no template fits {missing} nodes (at most one GPU per layer, or the activations of a longer "
+            "pipeline exceed memory), so not every survivor count down to "
+            f"(f+1)*n0={(fault_tolerance + 1) * n0} is covered: use devices with more memory or a smaller "
+            "micro-batch"
+        )
+    layouts, next_node = [], 0
+    for t in chosen.pipeline_templates():
+        layouts.append((t, tuple(range(next_node, next_node + t.num_nodes))))
+        next_node += t.num_nodes
+    return assemble_plan(
+        inputs, templates, n0, layouts, global_batch, microbatch, fault_tolerance, started, nodes
+    )
+
+
+def assemble_plan(
+    inputs: PlannerInputs,
+    templates: Sequence[PipelineTemplate],
+    n0: int,
+    layouts: Sequence[tuple[PipelineTemplate, tuple[int, ...]]],
+    global_batch: int,
+    microbatch: int,
+    fault_tolerance: int,
+    started: float,
+    next_node_id: int,
+    warnings: Sequence[str] = (),
+) -> Plan:
+    """A plan of the given pipelines (template, cluster node ids) with the batch distributed over them.
+
+    The predicted iteration time is the slowest pipeline plus the slowest device's gradient sync across
+    ``len(layouts)`` replicas and optimizer step (see :mod:`lightning_oobleck.planning.instantiation`).
+    """
+    total = num_microbatches(global_batch, microbatch)
+    counts = distribute_microbatches([t for t, _ in layouts], total)
+    pipelines = tuple(Pipeline(t, nodes, m) for (t, nodes), m in zip(layouts, counts, strict=True))
+    cost = inputs.cost()
+    tail = max(float(cost.template_tails_s(p.template, [len(pipelines)])[0]) for p in pipelines)
+    return Plan(
+        num_layers=inputs.profile.num_layers,
+        gpus_per_node=inputs.cluster.gpus_per_node,
+        fault_tolerance=fault_tolerance,
+        n0=n0,
+        microbatch_size=microbatch,
+        global_batch_size=global_batch,
+        templates=tuple(templates),
+        pipelines=pipelines,
+        iteration_time_s=max(p.iteration_time_s() for p in pipelines) + tail,
+        planning_s=time.perf_counter() - started,
+        warnings=tuple(warnings),
+        extra=inputs.to_extra(next_node_id),
+    )

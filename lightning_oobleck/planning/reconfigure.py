@@ -1,0 +1,239 @@
+"""Reconfiguration: the next plan after nodes fail or join, from the precomputed templates only.
+
+No template search runs here: every new pipeline uses the plan's template for its node count.
+
+After failures, each pipeline keeps its surviving nodes. A pipeline left below ``n0`` nodes borrows
+the missing nodes from the largest pipeline when that one stays a template size, otherwise it merges
+with the smallest pipeline it forms a template size with. If fewer than ``f + 1`` pipelines remain
+while the survivors could hold more, the largest pipelines are split again. When no local repair
+works (sizes missing from the template set), the survivors are split afresh, still in their order.
+Within a pipeline, nodes keep their order or are sorted by the first layer they held, whichever
+moves fewer layers; a worker that keeps its layers copies nothing.
+
+When survivors drop below ``(f + 1) n0``, the plan keeps the largest fault tolerance still possible
+(``floor(M / n0) - 1``, see :mod:`lightning_oobleck.planning.node_spec`) and says so in
+``Plan.warnings``. Below ``n0`` survivors, or when every replica of a layer is lost, no pipeline can
+continue and :class:`ReconfigurationError` says how to resume.
+
+Joining nodes get fresh ids. ``n0`` or more form new pipelines; fewer are added to the smallest
+pipelines that grow into a template size.
+
+The result carries the copy list: for every layer a worker must newly hold, a surviving worker that
+held it, preferring one on the same node and otherwise spreading the copies over the replicas.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import Counter
+from collections.abc import Iterable, Sequence
+from dataclasses import asdict, dataclass
+from typing import Any
+
+from lightning_oobleck.planning.node_spec import max_parts, split_into
+from lightning_oobleck.planning.plan import LayerCopy, PipelineTemplate, Plan
+from lightning_oobleck.planning.planner import PlannerInputs, assemble_plan
+
+Worker = tuple[int, int]
+
+
+class ReconfigurationError(ValueError):
+    """Training cannot continue in place; the message says how to resume."""
+
+
+@dataclass(frozen=True)
+class Reconfiguration:
+    """The new plan and the layer copies that turn the old layout into it."""
+
+    plan: Plan
+    copies: tuple[LayerCopy, ...]
+
+    def to_dict(self) -> dict[str, Any]:
+        """The plan's JSON schema plus ``copies``."""
+        return {**self.plan.to_dict(), "copies": [asdict(c) for c in self.copies]}
+
+
+def _holdings(plan: Plan) -> dict[Worker, range]:
+    return {p.worker_of_stage(si): s.layers for p in plan.pipelines for si, s in enumerate(p.stages)}
+
+
+class _Layout:
+    """Turns groups of node ids into pipelines, choosing node orders that move the fewest layers."""
+
+    def __init__(self, plan: Plan, alive: set[int]) -> None:
+        self.by_size = {t.num_nodes: t for t in plan.templates}
+        self.sizes = sorted(self.by_size)
+        self.n0 = plan.n0
+        holdings = {w: r for w, r in _holdings(plan).items() if w[0] in alive}
+        self.held = {w: set(r) for w, r in holdings.items()}
+        self.first_layer: dict[int, int] = {}
+        for (node, _), layers in holdings.items():
+            self.first_layer[node] = min(self.first_layer.get(node, layers.start), layers.start)
+
+    def moves(self, template: PipelineTemplate, nodes: Sequence[int]) -> int:
+        return sum(
+            len(set(s.layers) - self.held.get((nodes[s.node], s.device), set())) for s in template.stages
+        )
+
+    def order(self, nodes: Sequence[int]) -> tuple[int, ...]:
+        """``nodes`` as given or sorted by the first layer they held (new nodes last): fewer moves wins."""
+        template = self.by_size[len(nodes)]
+        by_layer = sorted(nodes, key=lambda n: (self.first_layer.get(n, float("inf")), nodes.index(n)))
+        return tuple(min((list(nodes), by_layer), key=lambda o: self.moves(template, o)))
+
+    def borrow(self, needy: list[int], donor: list[int], count: int) -> tuple[list[int], list[int]]:
+        """Move ``count`` nodes from the head or the tail of ``donor``, whichever moves fewer layers."""
+
+        def cost(option: tuple[list[int], list[int]]) -> int:
+            a, b = option
+            return self.moves(self.by_size[len(a)], self.order(a)) + self.moves(
+                self.by_size[len(b)], self.order(b)
+            )
+
+        head = (needy + donor[:count], donor[count:])
+        tail = (needy + donor[-count:], donor[:-count])
+        return min((head, tail), key=cost)
+
+
+def _repair(groups: list[list[int]], layout: _Layout, target: int) -> list[list[int]]:
+    """Groups of template sizes covering the same nodes, with at least ``target`` groups if possible."""
+    sizes, n0 = set(layout.sizes), layout.n0
+    groups = [g for g in groups if g]
+    while bad := [g for g in groups if len(g) not in sizes]:
+        needy = min(bad, key=len)
+        others = [g for g in groups if g is not needy]
+        donor = max(others, key=len, default=None)
+        partner = min((g for g in others if len(g) + len(needy) in sizes), key=len, default=None)
+        if len(needy) < n0 and donor is not None and len(donor) - (n0 - len(needy)) in sizes:
+            new_needy, new_donor = layout.borrow(needy, donor, n0 - len(needy))
+            groups = [g for g in others if g is not donor] + [new_needy, new_donor]
+        elif partner is not None:
+            groups = [g for g in others if g is not partner] + [partner + needy]
+        else:
+            return _resplit(groups, layout, max_parts(layout.sizes, sum(map(len, groups))))
+    while len(groups) < target:
+        largest = max(groups, key=len)
+        if max_parts(layout.sizes, len(largest)) < 2:
+            return _resplit(groups, layout, target)
+        a, _ = split_into(layout.sizes, len(largest), 2)
+        groups = [g for g in groups if g is not largest] + [largest[:a], largest[a:]]
+    return groups
+
+
+def _resplit(groups: list[list[int]], layout: _Layout, parts: int) -> list[list[int]]:
+    nodes = [n for g in groups for n in g]
+    out, start = [], 0
+    for size in split_into(layout.sizes, len(nodes), parts):
+        out.append(nodes[start : start + size])
+        start += size
+    return out
+
+
+def _copies(plan: Plan, new_plan: Plan, alive: set[int]) -> tuple[LayerCopy, ...]:
+    holders: dict[int, list[Worker]] = {}
+    held: dict[Worker, range] = {}
+    for worker, layers in _holdings(plan).items():
+        if worker[0] in alive:
+            held[worker] = layers
+            for layer in layers:
+                holders.setdefault(layer, []).append(worker)
+    load: Counter[Worker] = Counter()
+    copies = []
+    for p in new_plan.pipelines:
+        for si, stage in enumerate(p.stages):
+            node, device = p.worker_of_stage(si)
+            for layer in stage.layers:
+                if layer in held.get((node, device), ()):
+                    continue
+                sources = holders[layer]
+                local = [w for w in sources if w[0] == node]
+                src = local[0] if local else min(sources, key=lambda w: (load[w], w))
+                load[src] += 1
+                copies.append(LayerCopy(layer, node, src[0], device, src[1]))
+    return tuple(copies)
+
+
+def _finish(
+    plan: Plan, groups: list[list[int]], layout: _Layout, alive: set[int], started: float, next_node_id: int
+) -> Reconfiguration:
+    inputs = PlannerInputs.from_plan(plan)
+    requested = inputs.fault_tolerance
+    total = sum(map(len, groups))
+    tolerance = min(requested, len(groups) - 1)
+    warnings = []
+    if tolerance < requested:
+        warnings.append(
+            f"only {total} nodes remain: {len(groups)} pipeline(s) of at least n0={layout.n0} nodes fit, so "
+            f"the plan tolerates f={tolerance} failure(s) instead of {requested}; add nodes "
+            "(oobleck replan --add) to restore it"
+        )
+    layouts = [(layout.by_size[len(g)], layout.order(g)) for g in groups]
+    layouts.sort(key=lambda tn: (-tn[0].num_nodes, tn[1]))
+    new_plan = assemble_plan(
+        inputs,
+        plan.templates,
+        plan.n0,
+        layouts,
+        plan.global_batch_size,
+        plan.microbatch_size,
+        tolerance,
+        started,
+        next_node_id,
+        warnings,
+    )
+    return Reconfiguration(new_plan, _copies(plan, new_plan, alive))
+
+
+def _target(plan: Plan, layout: _Layout, total_nodes: int) -> int:
+    requested = PlannerInputs.from_plan(plan).fault_tolerance
+    return min(requested + 1, max_parts(layout.sizes, total_nodes), plan.num_microbatches)
+
+
+def after_failures(plan: Plan, failed: Iterable[int]) -> Reconfiguration:
+    """The plan once the nodes ``failed`` are gone, and the copies that restore every layer."""
+    started = time.perf_counter()
+    failed = set(failed)
+    known = set(plan.nodes)
+    if unknown := sorted(failed - known):
+        raise ReconfigurationError(f"node id(s) {unknown} are not in the plan; its nodes are {sorted(known)}")
+    alive = known - failed
+    for layer in range(plan.num_layers):
+        if not any(node in alive for node, _ in plan.layer_owners(layer)):
+            raise ReconfigurationError(
+                f"every replica of layer {layer} was on a failed node: training cannot continue in place; "
+                "resume from the last checkpoint (Trainer.fit(ckpt_path=...)) on the remaining nodes"
+            )
+    if len(alive) < plan.n0:
+        raise ReconfigurationError(
+            f"only {len(alive)} node(s) survive but one pipeline needs n0={plan.n0}: no pipeline fits; "
+            f"resume from the last checkpoint (Trainer.fit(ckpt_path=...)) on at least {plan.n0} nodes"
+        )
+    layout = _Layout(plan, alive)
+    groups = [[n for n in p.nodes if n in alive] for p in plan.pipelines]
+    groups = _repair(groups, layout, _target(plan, layout, len(alive)))
+    return _finish(plan, groups, layout, alive, started, int(plan.extra.get("next_node_id", max(known) + 1)))
+
+
+def after_joins(plan: Plan, count: int) -> Reconfiguration:
+    """The plan once ``count`` new nodes (fresh ids) join, and the copies that fill them."""
+    started = time.perf_counter()
+    if count < 1:
+        raise ReconfigurationError(f"--add needs a positive number of nodes, got {count}")
+    alive = set(plan.nodes)
+    first_id = int(plan.extra.get("next_node_id", max(alive) + 1))
+    new = list(range(first_id, first_id + count))
+    layout = _Layout(plan, alive)
+    groups = [list(p.nodes) for p in plan.pipelines]
+    room = plan.num_microbatches - len(groups)
+    parts = min(max_parts(layout.sizes, count), room)
+    if parts > 0:
+        groups += _resplit([new], layout, parts)
+    else:
+        for node in new:
+            growable = [g for g in groups if len(g) + 1 in layout.sizes]
+            if not growable:
+                groups = _resplit([*groups, [node]], layout, len(groups))
+                continue
+            min(growable, key=len).append(node)
+    groups = _repair(groups, layout, _target(plan, layout, len(alive) + count))
+    return _finish(plan, groups, layout, alive, started, first_id + count)

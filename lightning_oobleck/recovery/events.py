@@ -1,0 +1,153 @@
+"""Structured recovery events and per-step records, as JSON lines and as Lightning logger metrics.
+
+A run's event file has one JSON object per line, each with a ``kind``:
+
+* ``{"kind": "step", "step", "time", "duration_s", "samples", "generation"}``: one optimizer step that
+  counted, ``time`` being its end (wall clock); ``oobleck timeline`` turns these into throughput.
+* ``{"kind": "recovery", "generation", "removed", "added", "cause", "failed_at", "detected_at",
+  "agreed_at", "replanned_at", "rebuilt_at", "state_copied_at", "resumed_at", "durations"}``: one
+  failure (or join) and its recovery. The phases happen in that order; each ``*_at`` is a wall-clock
+  time, ``durations`` the time of each phase since the previous one (``failed_at`` is only known when
+  the failure was injected, e.g. by ``--kill-at-step``).
+
+One process should write a given file (the rank 0 of the current generation): lines are appended with
+one ``write`` each, so a writer killed mid-run never leaves half a line for the next one.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any, Protocol
+
+from lightning_oobleck.recovery.protocol import Membership
+
+PHASES = ("detected", "agreed", "replanned", "rebuilt", "state_copied", "resumed")
+"""Recovery phases in the order they happen; ``RecoveryEvent`` has a ``<phase>_at`` field for each."""
+
+
+class MetricsLogger(Protocol):
+    """The part of a Lightning logger (``lightning.pytorch.loggers.Logger``) that events use."""
+
+    def log_metrics(self, metrics: dict[str, float], step: int | None = None) -> None: ...
+
+
+@dataclass
+class RecoveryEvent:
+    """One failure (or join) and the wall-clock time each recovery phase ended."""
+
+    generation: int
+    removed: list[list[int]] = field(default_factory=list)
+    added: list[list[int]] = field(default_factory=list)
+    cause: str = ""
+    failed_at: float | None = None
+    detected_at: float | None = None
+    agreed_at: float | None = None
+    replanned_at: float | None = None
+    rebuilt_at: float | None = None
+    state_copied_at: float | None = None
+    resumed_at: float | None = None
+
+    @classmethod
+    def from_membership(cls, membership: Membership) -> RecoveryEvent:
+        """Start an event from an agreed membership: detection and agreement times come from the
+        coordinator; the worker then :meth:`mark`\\ s the phases it runs."""
+        return cls(
+            generation=membership.generation,
+            removed=[list(w) for w in membership.removed],
+            added=[list(w) for w in membership.added],
+            cause=membership.cause,
+            detected_at=membership.detected_at,
+            agreed_at=membership.agreed_at,
+        )
+
+    def mark(self, phase: str, at: float | None = None) -> None:
+        """Record that ``phase`` ended now (or at ``at``)."""
+        if phase not in PHASES:
+            raise ValueError(f"unknown recovery phase {phase!r}: expected one of {', '.join(PHASES)}")
+        setattr(self, f"{phase}_at", time.time() if at is None else at)
+
+    def durations(self) -> dict[str, float]:
+        """Seconds spent in each recorded phase (since the previous recorded one), plus ``total``."""
+        out: dict[str, float] = {}
+        previous = self.failed_at
+        for phase in PHASES:
+            at = getattr(self, f"{phase}_at")
+            if at is None:
+                continue
+            if previous is not None:
+                out[phase] = at - previous
+            previous = at
+        start = self.failed_at if self.failed_at is not None else self.detected_at
+        if start is not None and self.resumed_at is not None:
+            out["total"] = self.resumed_at - start
+        return out
+
+    def to_record(self) -> dict[str, Any]:
+        return {"kind": "recovery", **asdict(self), "durations": self.durations()}
+
+
+class EventLog:
+    """Appends step and recovery records to a JSONL file, and recovery phase durations to a logger."""
+
+    def __init__(self, path: str | Path, logger: MetricsLogger | None = None) -> None:
+        self.path = Path(path)
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        self.logger = logger
+
+    def step(
+        self, step: int, samples: int, duration_s: float, generation: int, at: float | None = None
+    ) -> None:
+        """Record one completed optimizer step of ``samples`` samples that took ``duration_s``."""
+        self._append(
+            {
+                "kind": "step",
+                "step": step,
+                "time": time.time() if at is None else at,
+                "duration_s": duration_s,
+                "samples": samples,
+                "generation": generation,
+            }
+        )
+
+    def recovery(self, event: RecoveryEvent, step: int | None = None) -> None:
+        """Record a finished recovery; the logger gets ``recovery/<phase>_s`` metrics at ``step``."""
+        self._append(event.to_record())
+        if self.logger is not None:
+            metrics = {f"recovery/{phase}_s": seconds for phase, seconds in event.durations().items()}
+            metrics["recovery/generation"] = float(event.generation)
+            self.logger.log_metrics(metrics, step=step)
+
+    def _append(self, record: dict[str, Any]) -> None:
+        line = (json.dumps(record) + "\n").encode()
+        fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+        try:
+            os.write(fd, line)
+        finally:
+            os.close(fd)
+
+
+def read_events(path: str | Path) -> tuple[list[dict[str, Any]], list[RecoveryEvent]]:
+    """Read an event file: its step records (sorted by time) and its recovery events."""
+    steps: list[dict[str, Any]] = []
+    recoveries: list[RecoveryEvent] = []
+    fields = set(RecoveryEvent.__dataclass_fields__)
+    with open(path) as f:
+        for number, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            try:
+                record = json.loads(line)
+            except json.JSONDecodeError as e:
+                raise ValueError(
+                    f"{path}:{number} is not a JSON line ({e}): is this an oobleck event file?"
+                ) from e
+            if record.get("kind") == "step":
+                steps.append(record)
+            elif record.get("kind") == "recovery":
+                recoveries.append(RecoveryEvent(**{k: v for k, v in record.items() if k in fields}))
+    steps.sort(key=lambda r: r["time"])
+    return steps, recoveries

@@ -1,0 +1,141 @@
+"""The wire protocol between the recovery :mod:`~lightning_oobleck.recovery.coordinator` and the
+:mod:`~lightning_oobleck.recovery.agent` that runs in every worker.
+
+Transport: one TCP connection per worker process, opened at start and kept for the whole run. A message
+is one JSON object on one line (UTF-8, terminated by ``\\n``) with an ``"op"`` field.
+
+Worker -> coordinator::
+
+    register  {node, device, pid, host}  first message; answered by welcome, refused or fenced
+    heartbeat {}                          every ``heartbeat_interval``; answered by ack
+    suspect   {node, device, reason}      hint from a communication error: "this peer looks dead"
+    ready     {generation}                agreement barrier: "I stopped generation g-1, I am ready for g"
+    leave     {}                          finished normally: not a failure
+
+Coordinator -> worker::
+
+    welcome   {heartbeat_interval, heartbeat_timeout}
+    ack       {}                          reply to a heartbeat (the worker's view of coordinator liveness)
+    abort     {generation, suspects, detected_at}
+                                          a member of the current generation is dead: stop communicating
+    announce  {generation, workers, removed, added, cause, detected_at}
+                                          the next generation's membership (sent to its members only)
+    go        {generation, workers, agreed_at}
+                                          every member of that generation is ready: build its groups
+    fenced    {reason}                    you were declared dead: exit now (the connection is then closed)
+    refused   {reason}                    the registration is invalid (the connection is then closed)
+
+Timestamps (``*_at``) are wall-clock seconds (``time.time()``) of the coordinator's host, so events of
+several processes line up on one time axis.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from typing import Any, NamedTuple
+
+FENCED_EXIT_CODE = 86
+"""Exit status of a worker process that its agent terminated because the coordinator fenced it."""
+
+ADDRESS_ENV = "OOBLECK_COORDINATOR_ADDR"
+"""Environment variable holding the coordinator's ``host:port`` for the worker agents."""
+
+MAX_LINE_BYTES = 1 << 20
+
+
+class Worker(NamedTuple):
+    """One worker process: device ``device`` of node ``node`` (the node is the failure domain)."""
+
+    node: int
+    device: int
+
+
+@dataclass(frozen=True)
+class Membership:
+    """The workers of one generation, in rank order, and how this generation came to be.
+
+    ``workers`` is sorted, so a worker's rank in the generation is its index and the lowest surviving
+    ``(node, device)`` is rank 0. ``removed``/``added`` compare with the previous generation;
+    ``detected_at`` is when the first failure (or join) that led to this generation was seen, and
+    ``agreed_at`` when every member reached the agreement barrier (``None`` until then).
+    """
+
+    generation: int
+    workers: tuple[Worker, ...]
+    removed: tuple[Worker, ...] = ()
+    added: tuple[Worker, ...] = ()
+    cause: str = ""
+    detected_at: float | None = None
+    agreed_at: float | None = None
+
+    @property
+    def world_size(self) -> int:
+        return len(self.workers)
+
+    @property
+    def nodes(self) -> tuple[int, ...]:
+        return tuple(sorted({w.node for w in self.workers}))
+
+    def rank(self, worker: Worker) -> int:
+        """Rank of ``worker`` in this generation; a clear error if it is not a member."""
+        try:
+            return self.workers.index(worker)
+        except ValueError:
+            raise ValueError(
+                f"worker {tuple(worker)} is not a member of generation {self.generation}"
+            ) from None
+
+    def to_message(self) -> dict[str, Any]:
+        return {
+            "generation": self.generation,
+            "workers": [list(w) for w in self.workers],
+            "removed": [list(w) for w in self.removed],
+            "added": [list(w) for w in self.added],
+            "cause": self.cause,
+            "detected_at": self.detected_at,
+            "agreed_at": self.agreed_at,
+        }
+
+    @classmethod
+    def from_message(cls, msg: dict[str, Any]) -> Membership:
+        return cls(
+            generation=int(msg["generation"]),
+            workers=workers_from_json(msg["workers"]),
+            removed=workers_from_json(msg.get("removed", ())),
+            added=workers_from_json(msg.get("added", ())),
+            cause=str(msg.get("cause", "")),
+            detected_at=msg.get("detected_at"),
+            agreed_at=msg.get("agreed_at"),
+        )
+
+
+def workers_from_json(items: Any) -> tuple[Worker, ...]:
+    return tuple(Worker(int(n), int(d)) for n, d in items)
+
+
+def parse_address(address: str) -> tuple[str, int]:
+    """``"host:port"`` -> ``(host, port)``, with an error that shows the expected form."""
+    host, sep, port = address.rpartition(":")
+    if not sep or not host or not port.isdigit():
+        raise ValueError(f"coordinator address {address!r} is not of the form HOST:PORT (e.g. node001:29400)")
+    return host, int(port)
+
+
+def encode(op: str, **fields: Any) -> bytes:
+    return (json.dumps({"op": op, **fields}, separators=(",", ":")) + "\n").encode()
+
+
+class LineReader:
+    """Splits a byte stream into protocol messages; keeps an incomplete last line for the next feed."""
+
+    def __init__(self) -> None:
+        self._buffer = bytearray()
+
+    def feed(self, data: bytes) -> list[dict[str, Any]]:
+        self._buffer += data
+        *lines, rest = self._buffer.split(b"\n")
+        if len(rest) > MAX_LINE_BYTES:
+            raise ValueError(f"protocol line longer than {MAX_LINE_BYTES} bytes: not an oobleck peer")
+        self._buffer = bytearray(rest)
+        return [json.loads(line) for line in lines if line.strip()]

@@ -1,0 +1,49 @@
+"""The coordinator as a service of the local launcher's supervisor (``SupervisorService`` protocol).
+
+The supervisor process outlives every worker, so the coordinator it hosts survives the loss of any of
+them, rank 0 included. Under SLURM the batch host plays that role instead (``coordinator.main``).
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from lightning_oobleck.recovery.coordinator import Coordinator
+from lightning_oobleck.recovery.protocol import ADDRESS_ENV
+
+if TYPE_CHECKING:
+    from lightning_oobleck.lightning.launcher import Supervisor
+
+
+class CoordinatorService:
+    """Starts a :class:`Coordinator` for the supervisor's workers and exports its address to them.
+
+    All workers run on this machine, so fenced workers are also SIGKILLed (``kill_fenced``): a stopped
+    worker's peers then see its connections close at once.
+    """
+
+    def __init__(
+        self, *, heartbeat_timeout: float = 2.0, settle_s: float = 0.1, agreement_timeout: float = 30.0
+    ) -> None:
+        self.heartbeat_timeout = heartbeat_timeout
+        self.settle_s = settle_s
+        self.agreement_timeout = agreement_timeout
+        self.coordinator: Coordinator | None = None
+
+    def start(self, supervisor: Supervisor) -> None:
+        self.coordinator = Coordinator(
+            supervisor.world_size,
+            supervisor.host,
+            heartbeat_timeout=self.heartbeat_timeout,
+            settle_s=self.settle_s,
+            agreement_timeout=self.agreement_timeout,
+            kill_fenced=True,  # every worker runs on this machine
+        ).start()
+        supervisor.worker_env[ADDRESS_ENV] = self.coordinator.address
+
+    def worker_exited(self, rank: int, exitcode: int) -> None:
+        """Nothing to do: the coordinator saw the worker's connection close when its process ended."""
+
+    def stop(self) -> None:
+        if self.coordinator is not None:
+            self.coordinator.stop()

@@ -1,0 +1,129 @@
+"""The job's rendezvous store, run on the SLURM batch host: ``python -m lightning_oobleck.slurm.rendezvous``.
+
+The batch script starts it in the background before ``srun`` and exports its address to every task as
+``OOBLECK_STORE_ADDR=host:port`` (read by :mod:`lightning_oobleck.lightning.environment`). It hosts a
+``torch.distributed.TCPStore`` (the store all ranks rendezvous through, generation after generation) in a
+process of its own, so that the loss of any training task, rank 0 included, leaves it running. Its host, the
+batch host, is the job's single point of failure: SLURM keeps a job whose batch host died in RUNNING until
+its ``--time`` ends, which is why the time limit is mandatory.
+
+Two ways to run it::
+
+    python -m lightning_oobleck.slurm.rendezvous --watch-pid PID            # serve in the foreground
+    exports=$(python -m lightning_oobleck.slurm.rendezvous --detach --watch-pid $$ --log FILE) || exit 1
+    eval "$exports"
+
+The first prints one line of shell, ``export OOBLECK_STORE_ADDR=host:port``, then serves until process PID
+(the batch shell) is gone or it receives SIGTERM/SIGINT. ``--detach`` starts the first form in a new session
+with its output in FILE, prints that line once the store listens, and returns. Batch scripts ``eval`` the line
+rather than parse it, so that whatever this process comes to serve (and export) needs no change to them.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import datetime
+import os
+import selectors
+import shlex
+import signal
+import socket
+import subprocess
+import sys
+import threading
+from collections.abc import Sequence
+
+MODULE = "lightning_oobleck.slurm.rendezvous"
+"""The entry point's module name (stable: batch scripts name it)."""
+STORE_ADDR_VAR = "OOBLECK_STORE_ADDR"
+STARTUP_TIMEOUT_S = 60.0
+"""How long ``--detach`` waits for the server to listen (a cold ``import torch`` on a busy node is slow)."""
+
+
+def serve(host: str, port: int, watch_pid: int | None, poll_s: float = 1.0) -> None:
+    """Host the store on ``port`` (0: any free port), print the ``export`` line, serve until told to stop."""
+    # Imported here, not at the top: ``--detach`` returns the address sooner without torch's import.
+    from torch.distributed import TCPStore
+
+    store = TCPStore(
+        host, port, is_master=True, wait_for_workers=False, timeout=datetime.timedelta(seconds=30)
+    )
+    print(f"export {STORE_ADDR_VAR}={shlex.quote(f'{host}:{store.port}')}", flush=True)
+    stop = threading.Event()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda *_: stop.set())
+    while not stop.wait(poll_s):
+        if watch_pid is not None and not _alive(watch_pid):
+            break
+
+
+def detach(argv: Sequence[str], log_path: str, timeout_s: float = STARTUP_TIMEOUT_S) -> str:
+    """Start ``serve`` in a background process (own session, output to ``log_path``); return its line."""
+    with open(log_path, "ab") as log:
+        child = subprocess.Popen(
+            [sys.executable, "-m", MODULE, *argv],
+            stdout=subprocess.PIPE,
+            stderr=log,
+            stdin=subprocess.DEVNULL,
+            start_new_session=True,
+        )
+    assert child.stdout is not None
+    with selectors.DefaultSelector() as sel:
+        sel.register(child.stdout, selectors.EVENT_READ)
+        line = child.stdout.readline().decode().strip() if sel.select(timeout_s) else ""
+    if not line:
+        exited = child.poll()
+        child.kill()
+        why = f"exited with status {exited}" if exited is not None else f"did not start in {timeout_s:.0f} s"
+        raise RuntimeError(f"the rendezvous store {why}; see {log_path}")
+    # The server prints nothing more on stdout; closing our end cannot stop it.
+    child.stdout.close()
+    return line
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog=f"python -m {MODULE}",
+        description=f"Host the job's rendezvous TCPStore; print 'export {STORE_ADDR_VAR}=host:port'.",
+    )
+    parser.add_argument("--host", default=socket.gethostname(), help="name the tasks reach this host by")
+    parser.add_argument("--port", type=int, default=0, help="port to listen on (default 0: any free port)")
+    parser.add_argument("--watch-pid", type=int, help="exit when this process (the batch shell) is gone")
+    parser.add_argument(
+        "--detach", action="store_true", help="serve in the background; print the export line"
+    )
+    parser.add_argument("--log", default=os.devnull, help="with --detach: the server's log file")
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    args = _parser().parse_args(argv)
+    if args.detach:
+        serve_argv = ["--host", args.host, "--port", str(args.port)]
+        if args.watch_pid is not None:
+            serve_argv += ["--watch-pid", str(args.watch_pid)]
+        try:
+            print(detach(serve_argv, args.log), flush=True)
+        except RuntimeError as e:
+            print(f"rendezvous: error: {e}", file=sys.stderr)
+            return 1
+        return 0
+    with contextlib.suppress(KeyboardInterrupt):
+        serve(args.host, args.port, args.watch_pid)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

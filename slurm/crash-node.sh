@@ -1,0 +1,28 @@
+#!/bin/bash
+# Usage: slurm/crash-node.sh DIR NODE
+#
+# Simulates a hard crash of fake node NODE (e.g. node2) of the cluster in DIR (slurm/start-cluster.sh): SIGKILLs
+# at once that node's slurmd, its slurmstepd (found by the node's log file they keep open) and every process in
+# the stepds' sessions (the job's tasks on that node). Nothing is told to SLURM: like a real crash, slurmctld
+# only notices that the node went silent (NOT_RESPONDING after ~SlurmdTimeout, DOWN later).
+# Prints "crashed NODE at EPOCH_SECONDS: PIDS". Bring the node back with slurm/restart-node.sh DIR NODE.
+set -u
+if [ $# -lt 2 ]; then echo "usage: $0 DIR NODE" >&2; exit 2; fi
+D=$(realpath -m "$1"); NODE=$2
+PIDFILE=$D/slurmd-$NODE.pid
+if ! [ -f "$PIDFILE" ] || ! kill -0 "$(cat "$PIDFILE")" 2>/dev/null; then
+  echo "crash-node: $NODE has no running slurmd in $D (no live $PIDFILE)" >&2; exit 1
+fi
+victims=$(cat "$PIDFILE")
+for p in $(pgrep -x slurmstepd); do
+  ls -l "/proc/$p/fd" 2>/dev/null | grep -q "$D/log/slurmd-$NODE.log" && victims="$victims $p"
+done
+pids=$victims
+for v in $victims; do
+  sid=$(ps -o sid= -p "$v" | tr -d ' ')
+  [ -n "$sid" ] && pids="$pids $(ps -eo pid=,sid= | awk -v s="$sid" '$2 == s { print $1 }')"
+done
+pids=$(echo "$pids" | tr ' ' '\n' | sort -un | tr '\n' ' ')
+# shellcheck disable=SC2086
+kill -9 $pids 2>/dev/null
+echo "crashed $NODE at $(date +%s.%N): $pids"

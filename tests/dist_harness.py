@@ -1,0 +1,127 @@
+"""Helpers for multi-process tests: a pool of worker processes sharing a TCPStore, and hand-made plans.
+
+A :class:`WorkerPool` starts its processes once (forked from a server that imported torch); tests send
+them picklable tasks ``fn(store, state, *args)`` (``state`` is a dict that lives as long as the
+process), so several layouts and generations run in the same processes. Every wait is bounded.
+"""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+import signal
+import sys
+import traceback
+from collections.abc import Callable, Sequence
+from datetime import timedelta
+from multiprocessing.connection import Connection
+from typing import Any
+
+from torch.distributed import TCPStore
+
+from lightning_oobleck.planning.plan import Pipeline, PipelineTemplate, Plan, Stage
+
+Task = Callable[..., Any]
+
+
+def _serve(conn: Connection, port: int, sys_path: list[str]) -> None:
+    sys.path[:] = sys_path
+    store = TCPStore("127.0.0.1", port, is_master=False, timeout=timedelta(seconds=60))
+    state: dict[str, Any] = {}
+    while (task := conn.recv()) is not None:
+        fn, args = task
+        try:
+            conn.send(("ok", fn(store, state, *args)))
+        except BaseException:
+            conn.send(("error", traceback.format_exc()))
+
+
+class WorkerPool:
+    """``size`` worker processes that run tasks on request."""
+
+    def __init__(self, size: int) -> None:
+        # forkserver: torch is imported once in the server, each worker is a cheap fork of it
+        ctx = mp.get_context("forkserver")
+        ctx.set_forkserver_preload(["torch", "torch.distributed", "lightning_oobleck.execution"])
+        self.store = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=timedelta(60))
+        self._conns: list[Connection] = []
+        self.procs: list[mp.process.BaseProcess] = []
+        for _ in range(size):
+            parent, child = ctx.Pipe()
+            proc = ctx.Process(target=_serve, args=(child, self.store.port, list(sys.path)), daemon=True)
+            proc.start()
+            self._conns.append(parent)
+            self.procs.append(proc)
+
+    def submit(self, worker: int, fn: Task, *args: Any) -> None:
+        self._conns[worker].send((fn, args))
+
+    def _receive(self, worker: int, timeout: float) -> tuple[str, Any]:
+        conn = self._conns[worker]
+        if not conn.poll(timeout):
+            return "error", f"no result within {timeout} s"
+        return conn.recv()
+
+    def run(self, tasks: dict[int, tuple[Task, tuple[Any, ...]]], timeout: float) -> dict[int, Any]:
+        """Run ``tasks[i] = (fn, args)`` on process ``i`` concurrently; return their results.
+
+        If any task fails, raise with every failing worker's traceback (the first failure is often
+        only the consequence of another).
+        """
+        for worker, (fn, args) in tasks.items():
+            self.submit(worker, fn, *args)
+        replies = {worker: self._receive(worker, timeout) for worker in tasks}
+        errors = [
+            f"worker process {w} failed:\n{value}" for w, (status, value) in replies.items() if status != "ok"
+        ]
+        if errors:
+            raise RuntimeError("\n".join(errors))
+        return {worker: value for worker, (_, value) in replies.items()}
+
+    def signal(self, worker: int, sig: signal.Signals) -> None:
+        pid = self.procs[worker].pid
+        assert pid is not None
+        os.kill(pid, sig)
+
+    def close(self) -> None:
+        for conn in self._conns:
+            conn.send(None)
+        for proc in self.procs:
+            proc.join(timeout=10)
+            if proc.is_alive():
+                proc.kill()
+                proc.join(timeout=10)
+
+
+def plan_from_splits(
+    pipelines: Sequence[Sequence[tuple[int, int]]],
+    microbatches: Sequence[int],
+    microbatch_size: int,
+    gpus_per_node: int = 1,
+) -> Plan:
+    """A plan whose pipeline ``i`` has stages ``pipelines[i]`` (``(first, end)`` layer ranges).
+
+    Stage ``k`` of a pipeline runs on device ``k % gpus_per_node`` of the pipeline's node
+    ``k // gpus_per_node``; cluster node ids are handed out in pipeline order.
+    """
+    built, templates, next_node = [], {}, 0
+    for splits, m in zip(pipelines, microbatches, strict=True):
+        if len(splits) % gpus_per_node:
+            raise ValueError(f"{len(splits)} stages do not fill nodes of {gpus_per_node} devices")
+        stages = tuple(Stage(a, b, k // gpus_per_node, k % gpus_per_node) for k, (a, b) in enumerate(splits))
+        num_nodes = len(splits) // gpus_per_node
+        template = templates.setdefault(
+            stages, PipelineTemplate(num_nodes, gpus_per_node, stages, tuple(1.0 for _ in stages))
+        )
+        built.append(Pipeline(template, tuple(range(next_node, next_node + num_nodes)), m))
+        next_node += num_nodes
+    return Plan(
+        num_layers=pipelines[0][-1][1],
+        gpus_per_node=gpus_per_node,
+        fault_tolerance=max(len(pipelines) - 1, 0),
+        n0=min(p.template.num_nodes for p in built),
+        microbatch_size=microbatch_size,
+        global_batch_size=microbatch_size * sum(microbatches),
+        templates=tuple(templates.values()),
+        pipelines=tuple(built),
+    )

@@ -1,0 +1,154 @@
+"""Tasks run inside the spawned test workers, and the single-process reference they are compared with."""
+
+from __future__ import annotations
+
+import threading
+import time
+from datetime import timedelta
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from gpt.model import GPTConfig, gpt_layers, gpt_loss
+from torch import Tensor
+
+from lightning_oobleck.execution import PeerFailure, PipelineEngine, ProcessGroups, build_reference_model
+from lightning_oobleck.execution.memory import SavedTensorMeter
+from lightning_oobleck.planning.plan import Plan
+
+CONFIG = GPTConfig(vocab_size=32, seq_len=8, d_model=16, n_heads=2, n_blocks=4)
+SEED = 7
+LR = 1e-2
+CPU = torch.device("cpu")
+
+
+def model() -> list[torch.nn.Module]:
+    return gpt_layers(CONFIG)
+
+
+def global_batch(step: int, size: int) -> tuple[Tensor, Tensor]:
+    """Step ``step``'s global batch: random token rows and their next-token targets."""
+    g = torch.Generator().manual_seed(1000 + step)
+    tokens = torch.randint(0, CONFIG.vocab_size, (size, CONFIG.seq_len + 1), generator=g)
+    return tokens[:, :-1], tokens[:, 1:]
+
+
+def optimizer(params: Any) -> torch.optim.Optimizer:
+    return torch.optim.AdamW(params, lr=LR, weight_decay=0.1)
+
+
+def reference_run(steps: int, batch_size: int) -> dict[str, Any]:
+    """Single-process training on the same global batches: per-step losses, grad norms, final weights."""
+    reference = build_reference_model(model, CPU, SEED, torch.float64)
+    opt = optimizer(reference.parameters())
+    losses, norms = [], []
+    for step in range(steps):
+        inputs, targets = global_batch(step, batch_size)
+        loss = gpt_loss(reference(inputs), targets)
+        loss.backward()
+        norms.append(sum(p.grad.pow(2).sum() for p in reference.parameters()).item())
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+    inputs, targets = global_batch(steps, batch_size)
+    with torch.no_grad():
+        eval_loss = gpt_loss(reference(inputs), targets).item()
+    return {"losses": losses, "norms": norms, "eval": eval_loss, "params": dict(reference.named_parameters())}
+
+
+def train_layout(store: dist.Store, state: dict[str, Any], plan: Plan, generation: int, steps: int) -> dict:
+    """Train ``steps`` AdamW steps as worker ``plan.workers[rank]``; report what the test compares.
+
+    Records the token rows the first layer of each pipeline actually received, to check that every
+    sample of a global batch is used by exactly one pipeline exactly once.
+    """
+    worker = plan.workers[state["index"]]
+    groups = ProcessGroups(plan, worker, store, generation, timeout=timedelta(seconds=30))
+    try:
+        engine = PipelineEngine(model, gpt_loss, groups, CPU, seed=SEED, dtype=torch.float64)
+        rows: list[Tensor] = []
+        if engine.is_first_stage:
+            first = engine.module.layer(0)
+            first.register_forward_pre_hook(lambda _m, args: rows.append(args[0].clone()))
+        opt = optimizer(engine.module.parameters())
+        losses, norms, seen = [], [], []
+        for step in range(steps):
+            inputs, targets = global_batch(step, plan.global_batch_size)
+            rows.clear()
+            with SavedTensorMeter(exclude=engine.module.parameters()) as meter:
+                loss = engine.train_step(
+                    inputs[engine.batch_slice] if engine.is_first_stage else None,
+                    targets[engine.batch_slice] if engine.is_last_stage else None,
+                )
+            norm = engine.grad_norm_sq()
+            dist.all_reduce(norm)
+            total = torch.zeros((), dtype=torch.float64) if loss is None else loss
+            dist.all_reduce(total)  # each pipeline's last stage adds its share of the global loss
+            losses.append(total.item())
+            norms.append(norm.item())
+            seen.append(torch.cat(rows) if rows else None)
+            opt.step()
+            opt.zero_grad()
+        inputs, targets = global_batch(steps, plan.global_batch_size)
+        eval_loss = engine.eval_step(
+            inputs[engine.batch_slice] if engine.is_first_stage else None,
+            targets[engine.batch_slice] if engine.is_last_stage else None,
+        )
+        total = torch.zeros((), dtype=torch.float64) if eval_loss is None else eval_loss
+        dist.all_reduce(total)
+        return {
+            "rank": groups.rank,
+            "role": engine.role,
+            "peak_activation_bytes": meter.peak_bytes,
+            "generation": groups.generation,
+            "losses": losses,
+            "norms": norms,
+            "eval": total.item(),
+            "seen": seen,
+            "params": {n: p.detach().clone() for n, p in engine.module.named_parameters()},
+        }
+    finally:
+        groups.destroy()
+
+
+def join_groups(
+    store: dist.Store, state: dict[str, Any], plan: Plan, generation: int, timeout_s: float
+) -> int:
+    """Create this worker's groups and engine for ``plan`` and keep them in the process state."""
+    worker = plan.workers[state["index"]]
+    groups = ProcessGroups(plan, worker, store, generation, timeout=timedelta(seconds=timeout_s))
+    abort = threading.Event()
+    state["groups"] = groups
+    state["abort"] = abort
+    state["engine"] = PipelineEngine(
+        model, gpt_loss, groups, CPU, seed=SEED, dtype=torch.float64, abort=abort
+    )
+    return groups.rank
+
+
+def blocked_step_aborted_after(store: dist.Store, state: dict[str, Any], delay_s: float) -> dict[str, Any]:
+    """Run a step whose peer is silent; set the abort event after ``delay_s``; report what happened."""
+    engine: PipelineEngine = state["engine"]
+    timer = threading.Timer(delay_s, state["abort"].set)
+    inputs, _ = global_batch(0, engine.plan.global_batch_size)
+    start = time.monotonic()
+    timer.start()
+    try:
+        engine.train_step(inputs[engine.batch_slice], None)
+        outcome = "returned"
+    except PeerFailure as e:
+        outcome = f"PeerFailure: {e}"
+    elapsed = time.monotonic() - start
+    state["groups"].destroy()
+    return {"outcome": outcome, "elapsed": elapsed}
+
+
+def leave_groups(store: dist.Store, state: dict[str, Any]) -> bool:
+    state.pop("engine")
+    state["groups"].destroy()
+    return state.pop("groups").destroyed
+
+
+def set_index(store: dist.Store, state: dict[str, Any], index: int) -> int:
+    state["index"] = index
+    return index

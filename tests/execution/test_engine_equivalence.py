@@ -1,0 +1,124 @@
+"""Heterogeneous pipelines on real gloo processes train exactly like one process on the whole batch."""
+
+from __future__ import annotations
+
+import signal
+from collections.abc import Iterator
+
+import exec_workloads as wl
+import pytest
+import torch
+from dist_harness import WorkerPool, plan_from_splits
+
+from lightning_oobleck.execution import profile_layers
+from lightning_oobleck.planning.plan import Plan, WorkerRole
+from lightning_oobleck.planning.profile import ModelProfile
+
+STEPS = 3
+MICROBATCH = 2
+# tiny GPT: layer 0 embedding, 1-4 blocks, 5 head
+LAYOUTS = {
+    "one pipeline of 4 stages": plan_from_splits([[(0, 2), (2, 3), (3, 4), (4, 6)]], [6], MICROBATCH),
+    "pipelines of 2 and 3 nodes": plan_from_splits(
+        [[(0, 3), (3, 6)], [(0, 2), (2, 4), (4, 6)]], [2, 4], MICROBATCH
+    ),
+    "pipelines of 1, 2 and 3 nodes": plan_from_splits(
+        [[(0, 6)], [(0, 4), (4, 6)], [(0, 1), (1, 3), (3, 6)]], [1, 2, 3], MICROBATCH
+    ),
+    "2 devices per node": plan_from_splits(
+        [[(0, 3), (3, 6)], [(0, 1), (1, 2), (2, 4), (4, 6)]], [2, 4], MICROBATCH, gpus_per_node=2
+    ),
+}
+BATCH = 12
+assert all(p.global_batch_size == BATCH for p in LAYOUTS.values())
+PROCESSES = 6
+
+
+@pytest.fixture(scope="module")
+def pool() -> Iterator[WorkerPool]:
+    workers = WorkerPool(PROCESSES)
+    try:
+        workers.run({i: (wl.set_index, (i,)) for i in range(PROCESSES)}, timeout=120)
+        yield workers
+    finally:
+        workers.close()
+
+
+@pytest.fixture(scope="module")
+def reference() -> dict:
+    return wl.reference_run(STEPS, BATCH)
+
+
+@pytest.fixture(scope="module")
+def profile() -> ModelProfile:
+    inputs, targets = wl.global_batch(0, MICROBATCH)
+    return profile_layers(
+        wl.model, inputs, wl.CPU, torch.float64, 0, 1, loss_fn=wl.gpt_loss, example_target=targets
+    )
+
+
+def predicted_activation_bytes(profile: ModelProfile, plan: Plan, role: WorkerRole) -> int:
+    """Activations of the stage's layers times the micro-batches 1F1B keeps in flight on it."""
+    pipeline = plan.pipelines[role.pipeline]
+    in_flight = min(len(pipeline.stages) - role.stage, pipeline.microbatches)
+    return in_flight * sum(profile.layers[i].activation_bytes for i in role.layers)
+
+
+def run_layout(pool: WorkerPool, plan: Plan, generation: int) -> dict[int, dict]:
+    workers = range(len(plan.workers))
+    return pool.run({i: (wl.train_layout, (plan, generation, STEPS)) for i in workers}, timeout=120)
+
+
+@pytest.mark.timeout(240)
+def test_every_layout_equals_single_process_training(
+    pool: WorkerPool, reference: dict, profile: ModelProfile
+) -> None:
+    """All layouts, one generation each in the same processes: weights, losses, norms, samples.
+
+    Also: each stage's peak saved-activation memory is what the profile predicts for 1F1B.
+    """
+    for generation, (name, plan) in enumerate(LAYOUTS.items()):
+        results = run_layout(pool, plan, generation)
+        assert {r["generation"] for r in results.values()} == {generation}, name
+        assert sorted(r["rank"] for r in results.values()) == list(range(len(plan.workers)))
+        for r in results.values():
+            assert r["losses"] == pytest.approx(reference["losses"], abs=1e-12, rel=1e-12), name
+            assert r["norms"] == pytest.approx(reference["norms"], rel=1e-10), name
+            assert r["eval"] == pytest.approx(reference["eval"], abs=1e-12, rel=1e-12), name
+            predicted = predicted_activation_bytes(profile, plan, r["role"])
+            assert r["peak_activation_bytes"] == pytest.approx(predicted, rel=0.05), (name, r["role"])
+        replicas: dict[str, int] = {}
+        for r in results.values():
+            for param, value in r["params"].items():
+                torch.testing.assert_close(value, reference["params"][param].detach(), atol=1e-10, rtol=0)
+                replicas[param] = replicas.get(param, 0) + 1
+        assert set(replicas) == set(reference["params"]), name
+        assert all(n == len(plan.pipelines) for n in replicas.values()), name
+        for step in range(STEPS):
+            inputs, _ = wl.global_batch(step, BATCH)
+            seen = torch.cat([r["seen"][step] for r in results.values() if r["seen"][step] is not None])
+            # every row of the global batch reached exactly one pipeline's first layer exactly once
+            assert sorted(map(tuple, seen.tolist())) == sorted(map(tuple, inputs.tolist())), name
+
+
+@pytest.mark.timeout(120)
+def test_abort_interrupts_a_rank_blocked_on_a_stopped_peer(pool: WorkerPool, reference: dict) -> None:
+    """SIGSTOP the next stage: the blocked rank raises PeerFailure right after abort, not at the timeout.
+
+    Then both processes build the next generation and train correctly: an aborted generation leaves
+    nothing behind.
+    """
+    plan = plan_from_splits([[(0, 3), (3, 6)]], [6], MICROBATCH)
+    timeout_s = 6.0  # the waiter thread of the aborted rank stays blocked in gloo until then
+    pool.run({i: (wl.join_groups, (plan, 100, timeout_s)) for i in range(2)}, timeout=60)
+    pool.signal(1, signal.SIGSTOP)
+    try:
+        outcome = pool.run({0: (wl.blocked_step_aborted_after, (0.5,))}, timeout=30)[0]
+    finally:
+        pool.signal(1, signal.SIGCONT)
+    assert outcome["outcome"].startswith("PeerFailure"), outcome
+    assert 0.5 <= outcome["elapsed"] < 1.5 < timeout_s, outcome
+    assert pool.run({1: (wl.leave_groups, ())}, timeout=30)[1] is True
+    results = run_layout(pool, plan, 101)
+    for r in results.values():
+        assert r["losses"] == pytest.approx(reference["losses"], abs=1e-12, rel=1e-12)

@@ -1,0 +1,225 @@
+"""OobleckLauncher with real worker processes, a real TCPStore and real signals.
+
+Workers here run tiny functions (``fork``: no re-import of Lightning per worker); one test runs a real
+``Trainer.fit`` through ``spawn`` to check what comes back into the caller's Trainer.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from datetime import timedelta
+from pathlib import Path
+
+import pytest
+import torch.distributed as dist
+
+from lightning_oobleck.lightning.environment import LocalOobleckEnvironment
+from lightning_oobleck.lightning.launcher import LaunchError, OobleckLauncher, Supervisor
+
+STORE_TIMEOUT = timedelta(seconds=20)
+
+
+class ExitRecorder:
+    """A supervisor service that records exits and publishes them in the store for the workers to see."""
+
+    def __init__(self) -> None:
+        self.exits: list[tuple[int, int]] = []
+        self.stopped = False
+        self.store: dist.TCPStore | None = None
+
+    def start(self, supervisor: Supervisor) -> None:
+        self.store = supervisor.store
+        supervisor.worker_env["RECORDER_ADDR"] = f"recorder-of-{supervisor.world_size}"
+
+    def worker_exited(self, rank: int, exitcode: int) -> None:
+        self.exits.append((rank, exitcode))
+        assert self.store is not None
+        self.store.set(f"exited/{rank}", str(exitcode))
+
+    def stop(self) -> None:
+        self.stopped = True
+
+
+def _store() -> dist.TCPStore:
+    host, port = LocalOobleckEnvironment().store_address
+    return dist.TCPStore(host, port, is_master=False, timeout=STORE_TIMEOUT)
+
+
+def report_position() -> int:
+    """Check in with the supervisor's store under this worker's environment; return the global rank."""
+    env = LocalOobleckEnvironment()
+    store = _store()
+    position = f"{env.worker[0]},{env.worker[1]},{env.world_size()},{os.environ.get('RECORDER_ADDR')}"
+    store.set(f"position/{env.global_rank()}", position)
+    store.add("ready", 1)
+    return env.global_rank() * 10
+
+
+def victim_dies(victim: int, how: str) -> int:
+    """All check in; ``victim`` then dies by ``how``; the others wait to hear of it from the supervisor."""
+    rank = report_position() // 10
+    store = _store()
+    deadline = time.monotonic() + 20
+    while store.add("ready", 0) < int(os.environ["OOBLECK_WORLD_SIZE"]):
+        assert time.monotonic() < deadline, "peers never checked in"
+        time.sleep(0.01)
+    if rank == victim:
+        if how == "raise":
+            raise ValueError(f"boom on rank {rank}")
+        os.kill(os.getpid(), getattr(signal, how))
+        time.sleep(30)  # SIGSTOP: stays stopped until the supervisor kills it
+    if how != "SIGSTOP":
+        store.wait([f"exited/{victim}"])  # only the supervisor's notice releases the survivors
+    return rank
+
+
+def all_die(raiser: int) -> None:
+    if int(os.environ["OOBLECK_RANK"]) == raiser:
+        raise ValueError("boom")
+    os.kill(os.getpid(), signal.SIGKILL)
+
+
+def sleep_forever() -> None:
+    time.sleep(600)
+
+
+@pytest.mark.timeout(60)
+def test_workers_get_positions_from_the_supervisor_store():
+    recorder = ExitRecorder()
+    launcher = OobleckLauncher(4, devices_per_node=2, start_method="fork", services=[recorder], timeout_s=40)
+    positions: dict[int, str] = {}
+
+    class ReadPositions(ExitRecorder):
+        def stop(self) -> None:
+            assert self.store is not None
+            positions.update({r: self.store.get(f"position/{r}").decode() for r in range(4)})
+
+    launcher.services.append(ReadPositions())
+    assert launcher.launch(report_position) == 0
+    # node = r // 2, device = r % 2, and the service's variable reached every worker
+    assert positions == {r: f"{r // 2},{r % 2},4,recorder-of-4" for r in range(4)}
+    assert sorted(recorder.exits) == [(r, 0) for r in range(4)] and recorder.stopped
+    assert launcher.last_report is not None and launcher.last_report.finished == (0, 1, 2, 3)
+    assert not launcher.last_report.lost
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("victim", [0, 2])
+def test_sigkilled_worker_leaves_the_others_running(victim: int):
+    recorder = ExitRecorder()
+    launcher = OobleckLauncher(3, start_method="fork", services=[recorder], timeout_s=40)
+    value = launcher.launch(victim_dies, victim, "SIGKILL")
+    survivors = tuple(r for r in range(3) if r != victim)
+    assert value == survivors[0]  # the lowest finished rank's return value
+    report = launcher.last_report
+    assert report is not None
+    assert report.finished == survivors and report.result_rank == survivors[0]
+    assert report.lost == {victim: "killed by SIGKILL"}
+    assert report.exitcodes == {r: (-signal.SIGKILL if r == victim else 0) for r in range(3)}
+    assert recorder.exits[0] == (victim, -signal.SIGKILL)  # the service heard of the death first
+
+
+@pytest.mark.timeout(60)
+def test_stopped_worker_is_killed_once_the_others_finished():
+    launcher = OobleckLauncher(3, start_method="fork", timeout_s=40, finish_grace_s=1.0)
+    start = time.monotonic()
+    assert launcher.launch(victim_dies, 1, "SIGSTOP") == 0
+    assert time.monotonic() - start < 20
+    report = launcher.last_report
+    assert report is not None and report.finished == (0, 2)
+    assert report.lost == {1: "killed by the supervisor: still running 1.0 s after a worker finished"}
+
+
+@pytest.mark.timeout(60)
+def test_all_workers_dead_is_a_clear_error():
+    launcher = OobleckLauncher(2, start_method="fork", timeout_s=40)
+    with pytest.raises(LaunchError) as err:
+        launcher.launch(all_die, 1)
+    message = str(err.value)
+    assert "no worker finished (2 started)" in message
+    assert "rank 0: killed by SIGKILL" in message
+    assert "rank 1: raised ValueError: boom" in message
+    assert "traceback of rank 1" in message and "in all_die" in message
+
+
+@pytest.mark.timeout(60)
+def test_launch_timeout_kills_every_worker():
+    launcher = OobleckLauncher(2, start_method="fork", timeout_s=1.0)
+    start = time.monotonic()
+    stuck = r"rank 0: killed by the supervisor: still running after timeout_s=1\.0; rank 1: "
+    with pytest.raises(TimeoutError, match=stuck):
+        launcher.launch(sleep_forever)
+    assert time.monotonic() - start < 15
+    assert all(not p.is_alive() for p in launcher.procs.values())
+
+
+def _alive(pid: int) -> bool:
+    """True for a running process; a zombie nobody reaped (no init in a container) counts as dead."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False
+
+
+@pytest.mark.timeout(90)
+def test_sigkilled_supervisor_leaves_no_orphan(tmp_path: Path):
+    script = tmp_path / "supervisor.py"
+    script.write_text(
+        textwrap.dedent(
+            """
+            import os, sys, time
+            from lightning_oobleck.lightning.launcher import OobleckLauncher
+
+            def work(pid_dir):
+                open(os.path.join(pid_dir, str(os.getpid())), "w").close()
+                time.sleep(600)
+
+            if __name__ == "__main__":
+                OobleckLauncher(2, start_method="fork", timeout_s=600).launch(work, sys.argv[1])
+            """
+        )
+    )
+    pid_dir = tmp_path / "pids"
+    pid_dir.mkdir()
+    supervisor = subprocess.Popen([sys.executable, str(script), str(pid_dir)])
+    try:
+        deadline = time.monotonic() + 60
+        while len(list(pid_dir.iterdir())) < 2:
+            assert time.monotonic() < deadline and supervisor.poll() is None, "workers never started"
+            time.sleep(0.05)
+        workers = [int(p.name) for p in pid_dir.iterdir()]
+        assert all(_alive(pid) for pid in workers)
+        supervisor.kill()
+        supervisor.wait(timeout=10)
+        deadline = time.monotonic() + 10
+        while any(_alive(pid) for pid in workers) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert not any(_alive(pid) for pid in workers), "a worker outlived its supervisor"
+    finally:
+        supervisor.kill()
+        supervisor.wait(timeout=10)
+        for pid_file in pid_dir.iterdir():
+            if _alive(int(pid_file.name)):
+                os.kill(int(pid_file.name), signal.SIGKILL)
+
+
+def test_bad_arguments_are_refused_with_the_fix():
+    with pytest.raises(ValueError, match="devices_per_node dividing the number of processes"):
+        OobleckLauncher(3, devices_per_node=2)
+    with pytest.raises(ValueError, match="'spawn' or 'fork'"):
+        OobleckLauncher(2, start_method="forkserver")  # type: ignore[arg-type]
+
+
+def test_supervisor_store_serves_clients():
+    with Supervisor(2) as supervisor:
+        host, port = supervisor.store_addr.rsplit(":", 1)
+        client = dist.TCPStore(host, int(port), is_master=False, timeout=STORE_TIMEOUT)
+        client.set("k", "v")
+        assert supervisor.store is not None and supervisor.store.get("k") == b"v"
+    with pytest.raises(RuntimeError, match="not started"):
+        _ = supervisor.store_addr

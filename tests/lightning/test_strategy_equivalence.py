@@ -1,0 +1,99 @@
+"""``Trainer.fit`` with strategy="oobleck" on 4 real processes equals single-process Lightning training.
+
+Float64, AdamW with a per-step LR schedule, gradient clipping active, shuffled data, validation every
+2 steps: the final weights, the validation loss, the LR sequence and the order of the training hooks
+must match a one-process run on the same global batches, for two heterogeneous layouts.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import lightning as L
+import pytest
+import torch
+from pipeline_testing import (
+    GLOBAL_BATCH,
+    MICRO,
+    HookRecorder,
+    TinyNet,
+    reference_train_loader,
+    train_loader,
+    val_loader,
+)
+
+from lightning_oobleck.lightning import OobleckStrategy
+
+SEED, STEPS, CLIP = 3, 4, 0.05
+
+LAYOUTS = {
+    # a 1-stage pipeline beside a 3-stage one with uneven micro-batch counts
+    "1+3": ([[0, 6], [0, 2, 5, 6]], [1, 3]),
+    # three pipelines: 2 stages, 1 stage, 1 stage
+    "2+1+1": ([[0, 4, 6], [0, 6], [0, 6]], [2, 1, 1]),
+}
+
+
+def trainer_kwargs(recorder: HookRecorder) -> dict:
+    return dict(
+        accelerator="cpu",
+        precision="64-true",
+        max_steps=STEPS,
+        val_check_interval=2,
+        gradient_clip_val=CLIP,
+        num_sanity_val_steps=0,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        callbacks=[recorder],
+    )
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory: pytest.TempPathFactory) -> tuple[dict, dict, dict]:
+    recorder = HookRecorder(tmp_path_factory.mktemp("reference"))
+    model = TinyNet()
+    trainer = L.Trainer(devices=1, **trainer_kwargs(recorder))
+    trainer.fit(model, reference_train_loader(SEED), val_loader())
+    record = recorder.read()[0]
+    assert min(record["norms"]) > 2 * CLIP, "clipping must be active in every step for the test to mean anything"
+    return model.state_dict(), dict(trainer.callback_metrics), record
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("name", list(LAYOUTS))
+def test_fit_equals_single_process_training(name: str, reference: tuple, tmp_path: Path) -> None:
+    ref_weights, ref_metrics, ref_record = reference
+    layout, microbatches = LAYOUTS[name]
+    strategy = OobleckStrategy(
+        global_batch_size=GLOBAL_BATCH,
+        microbatch_size=MICRO,
+        layout=layout,
+        microbatches=microbatches,
+        seed=SEED,
+        start_method="fork",
+        collective_timeout_s=10,
+    )
+    recorder = HookRecorder(tmp_path)
+    model = TinyNet()
+    trainer = L.Trainer(devices=4, strategy=strategy, **trainer_kwargs(recorder))
+    trainer.fit(model, train_loader(), val_loader())
+
+    assert trainer.global_step == STEPS
+    weights = model.state_dict()
+    assert weights.keys() == ref_weights.keys()
+    for key, expected in ref_weights.items():
+        torch.testing.assert_close(weights[key], expected, rtol=0, atol=1e-10, msg=key)
+    assert weights["layers.0.weight"].dtype == torch.float64
+    torch.testing.assert_close(
+        trainer.callback_metrics["val_loss"], ref_metrics["val_loss"], rtol=0, atol=1e-10
+    )
+    torch.testing.assert_close(
+        trainer.callback_metrics["train_loss"], ref_metrics["train_loss"], rtol=0, atol=1e-10
+    )
+    records = recorder.read()
+    assert sorted(records) == [0, 1, 2, 3]
+    for rank, record in records.items():
+        assert record["events"] == ref_record["events"], f"rank {rank}"
+        assert record["lrs"] == pytest.approx(ref_record["lrs"], rel=0, abs=0)

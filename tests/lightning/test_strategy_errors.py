@@ -1,0 +1,123 @@
+"""Wrong use of the strategy fails with a message that names the problem and the fix.
+
+Configuration mistakes are caught when the strategy or the Trainer is built, before any process starts;
+mistakes only visible inside a worker (the module, the Trainer's loop flags) reach the caller through
+the launcher's error with the worker's message.
+"""
+
+from __future__ import annotations
+
+import lightning as L
+import pytest
+import torch
+from lightning.pytorch.plugins.precision import MixedPrecision
+from pipeline_testing import GLOBAL_BATCH, MICRO, TinyNet, train_loader
+from torch import nn
+
+from lightning_oobleck.lightning import MissingPipelineHookError, OobleckStrategy, PipelineModule
+from lightning_oobleck.lightning.config import OobleckConfig
+from lightning_oobleck.lightning.launcher import LaunchError
+from lightning_oobleck.lightning.module import meta_layers
+from lightning_oobleck.lightning.plan_agreement import layout_plan
+
+TWO_PIPELINES = [[0, 3, 6], [0, 3, 6]]
+
+
+def strategy(**overrides: object) -> OobleckStrategy:
+    options = dict(global_batch_size=GLOBAL_BATCH, microbatch_size=MICRO, start_method="fork")
+    return OobleckStrategy(**{**options, **overrides})
+
+
+def trainer(devices: int, strategy: OobleckStrategy, **kwargs: object) -> L.Trainer:
+    return L.Trainer(
+        accelerator="cpu",
+        devices=devices,
+        strategy=strategy,
+        max_steps=1,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        **kwargs,
+    )
+
+
+@pytest.mark.parametrize(
+    ("options", "message"),
+    [
+        ({"global_batch_size": 0}, "global_batch_size must be positive"),
+        ({"microbatch_size": 3}, "does not divide global_batch_size=8: pick a divisor, e.g. microbatch_size=2"),
+        ({"start_method": "forkserver"}, "start_method must be 'spawn' or 'fork'"),
+        ({"microbatches": [2, 2]}, "only meaningful with layout"),
+    ],
+)
+def test_bad_options_are_refused_when_the_strategy_is_built(options: dict, message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        strategy(**options)
+
+
+def test_registered_name_and_config_file_build_the_same_strategy(tmp_path) -> None:
+    path = tmp_path / "strategy.yaml"
+    path.write_text("global_batch_size: 16\nmicrobatch_size: 4\nfault_tolerance: 2\nplanner: {exact_limit: 10}\n")
+    from_file = OobleckStrategy.from_config(path)
+    assert from_file.config == OobleckConfig(
+        global_batch_size=16, microbatch_size=4, fault_tolerance=2, planner={"exact_limit": 10}
+    )
+    by_name = L.Trainer(accelerator="cpu", devices=2, strategy="oobleck", logger=False)
+    assert isinstance(by_name.strategy, OobleckStrategy)
+
+
+def test_devices_not_matching_the_layout_fail_when_the_trainer_is_built() -> None:
+    with pytest.raises(ValueError, match="the layout has 4 stages in all but .* gives 3 processes: .* devices=4"):
+        trainer(3, strategy(layout=TWO_PIPELINES))
+
+
+def test_layouts_that_break_the_guarantee_or_the_plan_are_refused() -> None:
+    config = OobleckConfig(global_batch_size=GLOBAL_BATCH, microbatch_size=MICRO, fault_tolerance=1)
+    config.layout = [[0, 2, 4, 6]]
+    with pytest.raises(ValueError, match="fault_tolerance=1 needs at least 2: add pipelines or lower"):
+        layout_plan(config, 6, 3)
+    config.layout = [[0, 2, 6], [0, 4, 6]]
+    with pytest.raises(ValueError, match="one template per node count"):
+        layout_plan(config, 6, 4)
+    config.layout = [[0, 2, 5], [0, 6]]
+    with pytest.raises(ValueError, match=r"must rise strictly from 0 to the number of layers \(6\)"):
+        layout_plan(config, 6, 3)
+
+
+def test_sixteen_bit_with_a_grad_scaler_is_refused_with_the_alternative() -> None:
+    scaled = MixedPrecision("16-mixed", "cpu", scaler=torch.amp.GradScaler("cpu"))
+    with pytest.raises(ValueError, match="use precision='bf16-mixed'"):
+        trainer(4, strategy(layout=TWO_PIPELINES), plugins=[scaled])
+
+
+class NoLayers(PipelineModule, L.LightningModule):
+    def compute_loss(self, output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        return output.mean()
+
+
+class NotAPipeline(L.LightningModule):
+    """A plain LightningModule: a complete one, for a single device."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.net = nn.Linear(4, 3)
+
+    def training_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> torch.Tensor:
+        return nn.functional.cross_entropy(self.net(batch[0].float()), batch[1])
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.SGD(self.parameters(), lr=0.1)
+
+
+def test_missing_layer_hook_shows_the_fix() -> None:
+    with pytest.raises(MissingPipelineHookError, match=r"(?s)must implement configure_layers\(\).*class MyModel"):
+        meta_layers(NoLayers())
+
+
+@pytest.mark.timeout(120)
+def test_errors_inside_the_workers_reach_the_caller_with_the_fix() -> None:
+    with pytest.raises(LaunchError, match="mix PipelineModule into it"):
+        trainer(2, strategy(layout=[[0, 6], [0, 6]])).fit(NotAPipeline(), train_loader())
+    with pytest.raises(LaunchError, match=r"accumulate_grad_batches=2 .*\(global_batch_size=16 is equivalent\)"):
+        trainer(2, strategy(layout=[[0, 6], [0, 6]]), accumulate_grad_batches=2).fit(TinyNet(), train_loader())

@@ -1,0 +1,57 @@
+"""Shared builders for the planner tests: random profiles and clusters small enough to enumerate."""
+
+from __future__ import annotations
+
+import itertools
+
+import numpy as np
+
+from lightning_oobleck.planning.cluster import ClusterSpec
+from lightning_oobleck.planning.cost import CostModel
+from lightning_oobleck.planning.profile import LayerProfile, ModelProfile
+
+
+def random_profile(rng: np.random.Generator, num_layers: int) -> ModelProfile:
+    """Layers with unrelated random times and sizes: no structure for a search to lean on."""
+    layers = tuple(
+        LayerProfile(
+            forward_s=float(rng.uniform(0.1, 1.0)),
+            backward_s=float(rng.uniform(0.1, 2.0)),
+            parameter_bytes=int(rng.integers(1, 100)),
+            output_activation_bytes=int(rng.integers(1, 1000)),
+            activation_bytes=int(rng.integers(1, 50)),
+        )
+        for _ in range(num_layers)
+    )
+    return ModelProfile(layers, microbatch_size=1)
+
+
+def random_cost(rng: np.random.Generator, num_layers: int, num_nodes: int = 4, gpus: int = 1) -> CostModel:
+    """A random profile on a cluster whose memory, links and latencies are of the same order as it."""
+    cluster = ClusterSpec(
+        num_nodes=num_nodes,
+        gpus_per_node=gpus,
+        device_memory_bytes=float(rng.uniform(200, 3000)),
+        intra_node_bandwidth=1000.0,
+        inter_node_bandwidth=float(rng.uniform(10, 1000)),
+        intra_node_latency_s=0.01,
+        inter_node_latency_s=0.05,
+        device_memory_bandwidth=1000.0,
+    )
+    return CostModel(random_profile(rng, num_layers), cluster)
+
+
+def brute_force_template_time(cost: CostModel, num_nodes: int, microbatches: int) -> float:
+    """The best 1F1B time over every split of the layers into ``num_nodes * G`` stages (inf if none fits)."""
+    stages = num_nodes * cost.cluster.gpus_per_node
+    layers = cost.num_layers
+    best = np.inf
+    for cuts in itertools.combinations(range(1, layers), stages - 1):
+        bounds = (0, *cuts, layers)
+        ranges = list(itertools.pairwise(bounds))
+        memory = [cost.stage_memory_bytes(i, j, s, stages) for s, (i, j) in enumerate(ranges)]
+        if max(memory) > cost.cluster.device_memory_bytes:
+            continue
+        times = [cost.stage_time_s(i, j, s, stages) for s, (i, j) in enumerate(ranges)]
+        best = min(best, cost.pipeline_time_s(times, microbatches))
+    return best

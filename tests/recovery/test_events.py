@@ -1,0 +1,73 @@
+"""Recovery events: phase durations, the JSONL file, a real Lightning logger, and the timeline's errors."""
+
+from __future__ import annotations
+
+import argparse
+import csv
+from pathlib import Path
+
+import pytest
+from lightning.pytorch.loggers import CSVLogger
+
+from lightning_oobleck.cli import CliError, timeline
+from lightning_oobleck.recovery import EventLog, Membership, RecoveryEvent, Worker, read_events
+
+
+def test_a_recovery_reaches_the_jsonl_file_and_the_lightning_logger_with_its_phase_durations(
+    tmp_path: Path,
+) -> None:
+    membership = Membership(
+        3,
+        (Worker(0, 0), Worker(2, 0)),
+        removed=(Worker(1, 0),),
+        cause="(1, 0) died",
+        detected_at=100.0,
+        agreed_at=100.25,
+    )
+    event = RecoveryEvent.from_membership(membership)
+    event.failed_at = 99.5
+    for phase, at in [("replanned", 100.5), ("rebuilt", 101.0), ("state_copied", 102.0), ("resumed", 104.0)]:
+        event.mark(phase, at=at)
+    logger = CSVLogger(tmp_path, name="run", version=0)
+    log = EventLog(tmp_path / "events" / "run.jsonl", logger=logger)
+    log.step(7, samples=32, duration_s=0.5, generation=2, at=99.0)
+    log.recovery(event, step=8)
+    log.step(8, samples=32, duration_s=0.6, generation=3, at=104.6)
+    logger.save()
+
+    expected = {
+        "detected": 0.5,
+        "agreed": 0.25,
+        "replanned": 0.25,
+        "rebuilt": 0.5,
+        "state_copied": 1.0,
+        "resumed": 2.0,
+        "total": 4.5,
+    }
+    assert event.durations() == pytest.approx(expected)
+    steps, (read_back,) = read_events(tmp_path / "events" / "run.jsonl")
+    assert read_back == event and [s["step"] for s in steps] == [7, 8]
+    with open(Path(logger.log_dir) / "metrics.csv") as f:
+        (row,) = csv.DictReader(f)
+    assert row["step"] == "8" and float(row["recovery/generation"]) == 3
+    assert {k: float(row[f"recovery/{k}_s"]) for k in expected} == pytest.approx(expected)
+
+
+def test_bad_inputs_get_errors_that_name_the_fix(tmp_path: Path) -> None:
+    with pytest.raises(ValueError, match=r"unknown recovery phase 'copied'.*state_copied"):
+        RecoveryEvent(generation=1).mark("copied")
+    garbage = tmp_path / "garbage.jsonl"
+    garbage.write_text('{"kind": "step"}\nnot json\n')
+    with pytest.raises(ValueError, match=r"garbage\.jsonl:2 is not a JSON line"):
+        read_events(garbage)
+
+    parser = argparse.ArgumentParser()
+    timeline.register(parser.add_subparsers())
+    missing = parser.parse_args(["timeline", str(tmp_path / "missing.jsonl")])
+    with pytest.raises(CliError, match="no event file"):
+        missing.func(missing)
+    one_step = tmp_path / "one.jsonl"
+    EventLog(one_step).step(0, samples=8, duration_s=0.1, generation=0)
+    short = parser.parse_args(["timeline", str(one_step)])
+    with pytest.raises(CliError, match="1 step records: at least 2"):
+        short.func(short)
