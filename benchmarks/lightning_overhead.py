@@ -83,7 +83,9 @@ def run(strategy: Any, devices: int, steps: int, warmup: int, global_batch: int,
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--devices", type=int, default=2)
     parser.add_argument("--global-batch", type=int, default=256)
     parser.add_argument("--steps", type=int, default=30)
@@ -108,7 +110,9 @@ def main() -> None:
                 out = Path(tmp) / f"{name}-{i}.json"
                 results[name].append(run(make(), n, args.steps, args.warmup, batch, out))
 
-    table = Table(title=f"Lightning overhead: {n} CPU processes, global batch {batch}, {args.steps} timed steps")
+    table = Table(
+        title=f"Lightning overhead: {n} CPU processes, global batch {batch}, {args.steps} timed steps"
+    )
     for column in ("strategy", "samples/s (median)", "runs", "vs ddp"):
         table.add_column(column, justify="left" if column == "strategy" else "right")
     ddp = statistics.median(results["ddp"])

@@ -7,6 +7,7 @@ process), so several layouts and generations run in the same processes. Every wa
 
 from __future__ import annotations
 
+import contextlib
 import multiprocessing as mp
 import os
 import signal
@@ -85,7 +86,8 @@ class WorkerPool:
 
     def close(self) -> None:
         for conn in self._conns:
-            conn.send(None)
+            with contextlib.suppress(OSError):  # a worker the test killed
+                conn.send(None)
         for proc in self.procs:
             proc.join(timeout=10)
             if proc.is_alive():

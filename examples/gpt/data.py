@@ -23,7 +23,9 @@ def make_corpus(num_chars: int, seed: int = 0) -> str:
     parts: list[str] = []
     size = 0
     while size < num_chars:
-        sentence = f"{rng.choice(_SUBJECTS)} {rng.choice(_VERBS)} {rng.choice(_OBJECTS)} {rng.choice(_ENDINGS)}."
+        sentence = (
+            f"{rng.choice(_SUBJECTS)} {rng.choice(_VERBS)} {rng.choice(_OBJECTS)} {rng.choice(_ENDINGS)}."
+        )
         sentence = sentence[0].upper() + sentence[1:] + " "
         parts.append(sentence)
         size += len(sentence)

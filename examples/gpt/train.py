@@ -91,12 +91,18 @@ def plan_table(plan: Plan) -> Table:
 
 
 def parse_args(argv: list[str] | None = None) -> tuple[argparse.Namespace, DictConfig]:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--config", type=Path, default=DEFAULT_CONFIG, help="YAML file (default: %(default)s)")
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument(
+        "--config", type=Path, default=DEFAULT_CONFIG, help="YAML file (default: %(default)s)"
+    )
     parser.add_argument("--devices", type=int, help="local processes (trainer.devices)")
     parser.add_argument("--max-steps", type=int, help="optimizer steps (trainer.max_steps)")
     parser.add_argument("--precision", help="32-true, 64-true or bf16-mixed (trainer.precision)")
-    parser.add_argument("--fault-tolerance", type=int, help="node failures to survive (strategy.fault_tolerance)")
+    parser.add_argument(
+        "--fault-tolerance", type=int, help="node failures to survive (strategy.fault_tolerance)"
+    )
     parser.add_argument("overrides", nargs="*", help="dot-list overrides, e.g. strategy.microbatch_size=2")
     args = parser.parse_args(argv)
     cfg = OmegaConf.merge(OmegaConf.load(args.config), OmegaConf.from_dotlist(args.overrides))
@@ -138,6 +144,7 @@ def main(argv: list[str] | None = None) -> None:
         logger=False,
         enable_checkpointing=False,
         num_sanity_val_steps=0,
+        enable_model_summary=False,  # it would count only rank 0's layers
         **trainer_cfg,
     )
     train_loader, val_loader = loaders(cfg)

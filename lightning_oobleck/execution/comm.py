@@ -14,7 +14,8 @@ from __future__ import annotations
 import queue
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 from datetime import timedelta
 
 from torch.distributed import Work
@@ -62,10 +63,24 @@ class CommWaiter:
         while (request := self._requests.get()) is not None:
             request.run()
 
-    def wait(self, works: Sequence[Work], abort: threading.Event) -> None:
-        """Return once every work completed; raise :class:`PeerFailure` on abort, timeout or lost peer."""
+    @contextmanager
+    def issuing(self) -> Iterator[None]:
+        """Issue operations inside this block: gloo may report a lost peer when an op is issued, too."""
+        self._check()
+        try:
+            yield
+        except RuntimeError as e:
+            self._reraise(e)
+
+    def _check(self) -> None:
         if self.broken is not None:
             raise PeerFailure(f"communication of this generation already failed ({self.broken})")
+
+    def wait(self, works: Sequence[Work], abort: threading.Event) -> None:
+        """Return once every work completed; raise :class:`PeerFailure` on abort, timeout or lost peer."""
+        self._check()
+        if abort.is_set():
+            self._break("aborted")
         if not works:
             return
         if all(work.is_completed() for work in works):  # collectives done already: no thread hand-off

@@ -14,7 +14,7 @@ import threading
 import torch
 from torch import Tensor
 
-from lightning_oobleck.execution.grad_sync import GradientSync
+from lightning_oobleck.execution.grad_sync import DEFAULT_BUCKET_CAP_BYTES, GradientSync
 from lightning_oobleck.execution.process_groups import ProcessGroups
 from lightning_oobleck.execution.schedule import LossFn, StageContext, run_eval, run_train
 from lightning_oobleck.execution.stage import LayerSource, StageModule, build_stage, resolve_layers
@@ -63,6 +63,7 @@ class PipelineEngine:
     on the meta device, so only owned layers are materialised). ``loss_fn(output, targets)`` returns the
     mean loss of one micro-batch. ``abort``: set it (e.g. from a heartbeat thread) to make a blocked
     step raise :class:`~lightning_oobleck.execution.errors.PeerFailure` promptly.
+    ``bucket_cap_bytes``: the largest flat buffer of the gradient sync.
 
     Gradients accumulate into ``.grad`` like plain PyTorch: zero them between steps.
     """
@@ -76,12 +77,15 @@ class PipelineEngine:
         seed: int = 0,
         abort: threading.Event | None = None,
         dtype: torch.dtype | None = None,
+        bucket_cap_bytes: int = DEFAULT_BUCKET_CAP_BYTES,
     ) -> None:
         self.num_layers = len(resolve_layers(layers_or_factory))
         check_plan(groups.plan, self.num_layers)
         self.loss_fn = loss_fn
         self.device = device
         self.abort = abort if abort is not None else threading.Event()
+        self.bucket_cap_bytes = bucket_cap_bytes
+        self._grad_sync: GradientSync | None = None
         role = groups.plan.role(*groups.worker)
         self.module: StageModule = build_stage(layers_or_factory, role.layers, device, seed, dtype)
         self.reconfigure(groups, self.module)
@@ -119,7 +123,9 @@ class PipelineEngine:
             waiter=groups.waiter,
             abort=self.abort,
         )
-        self._grad_sync = GradientSync(module, groups)
+        if self._grad_sync is not None:
+            self._grad_sync.close()
+        self._grad_sync = GradientSync(module, groups, self.bucket_cap_bytes)
         self._counted = [
             p
             for i in module.layer_indices
@@ -158,6 +164,7 @@ class PipelineEngine:
         the global mean loss (the sum of its micro-batch losses times ``b / B``), else ``None``.
         """
         sync = self._grad_sync
+        assert sync is not None
         loss = run_train(
             self._context,
             self._split("inputs", inputs, self.is_first_stage),
@@ -165,7 +172,8 @@ class PipelineEngine:
             self.microbatches,
             self.loss_fn,
             self.plan.microbatch_size / self.plan.global_batch_size,
-            on_last_backward=sync.start,
+            before_last_backward=sync.arm,
+            after_last_backward=sync.flush,
         )
         sync.finish(self.abort)
         return loss

@@ -1,10 +1,15 @@
 """Sum every layer's gradient over the pipelines holding a replica of it.
 
-Layers of one stage that share the same set of owners (one worker per pipeline) form one bucket: their
-gradients are copied into one flat buffer and all-reduced in the group of exactly those owners. The
-loss of each micro-batch is already scaled by ``b / B``, so the sum is the gradient of the global mean
-loss. Buckets are issued in increasing layer order on every rank, a global order, so ranks that share
-several groups can never wait on each other in a cycle (this matters for NCCL, which serialises them).
+Parameters of one stage whose layers share the same set of owners (one worker per pipeline) are
+bucketed into flat buffers (at most ``bucket_cap_bytes`` each) and all-reduced in the group of exactly
+those owners. The loss of each micro-batch is already scaled by ``b / B``, so the sum is the gradient
+of the global mean loss.
+
+Overlap: during the stage's last backward, a bucket is all-reduced as soon as every one of its
+parameters has its final gradient (``register_post_accumulate_grad_hook``), while autograd goes on
+with earlier layers, and while earlier stages are still in their backward. Buckets are filled in
+backward order (last layer first) and issued strictly in that order on every rank, a global order, so
+ranks sharing several groups never wait on each other in a cycle (NCCL runs them one after another).
 """
 
 from __future__ import annotations
@@ -15,9 +20,13 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.utils.hooks import RemovableHandle
 
 from lightning_oobleck.execution.process_groups import ProcessGroups
 from lightning_oobleck.execution.stage import StageModule
+
+DEFAULT_BUCKET_CAP_BYTES = 25 * 2**20
+"""Bucket size cap, as DDP's default."""
 
 
 @dataclass
@@ -25,35 +34,77 @@ class _Bucket:
     group: dist.ProcessGroup
     params: list[nn.Parameter]
     flat: torch.Tensor
+    ready: int = 0
 
 
 class GradientSync:
-    """The gradient buckets of one stage under one plan; :meth:`start` then :meth:`finish` per step."""
+    """The gradient buckets of one stage under one plan.
 
-    def __init__(self, module: StageModule, groups: ProcessGroups) -> None:
+    Per step: :meth:`arm` before the stage's last backward, :meth:`flush` after it, :meth:`finish` to
+    wait and write the sums back into ``.grad``. :meth:`close` removes the hooks (before a new plan).
+    """
+
+    def __init__(
+        self, module: StageModule, groups: ProcessGroups, bucket_cap_bytes: int = DEFAULT_BUCKET_CAP_BYTES
+    ) -> None:
         self.groups = groups
-        by_key: dict[tuple[tuple[tuple[int, int], ...], torch.dtype, torch.device], list[nn.Parameter]] = {}
-        for index in module.layer_indices:
+        self.buckets: list[_Bucket] = []
+        open_buckets: dict[tuple[object, ...], _Bucket] = {}
+        sizes: dict[int, int] = {}
+        for index in reversed(module.layer_indices):
             owners = groups.plan.layer_owners(index)
-            for p in module.layer(index).parameters():
-                if p.requires_grad and len(owners) > 1:
-                    by_key.setdefault((owners, p.dtype, p.device), []).append(p)
-        self.buckets = [
-            _Bucket(
-                groups.grad_group(owners),
-                params,
-                torch.zeros(sum(p.numel() for p in params), dtype=dtype, device=device),
-            )
-            for (owners, dtype, device), params in by_key.items()
+            group = groups.grad_group(owners)
+            if group is None:
+                continue
+            for p in reversed([p for p in module.layer(index).parameters() if p.requires_grad]):
+                key = (owners, p.dtype, p.device)
+                bucket = open_buckets.get(key)
+                if bucket is None or sizes[id(bucket)] + p.numel() * p.element_size() > bucket_cap_bytes:
+                    bucket = open_buckets[key] = _Bucket(group, [], torch.empty(0))
+                    sizes[id(bucket)] = 0
+                    self.buckets.append(bucket)
+                bucket.params.append(p)
+                sizes[id(bucket)] += p.numel() * p.element_size()
+        for bucket in self.buckets:
+            p = bucket.params[0]
+            bucket.flat = torch.zeros(sum(q.numel() for q in bucket.params), dtype=p.dtype, device=p.device)
+        self._handles: list[RemovableHandle] = [
+            p.register_post_accumulate_grad_hook(lambda _p, b=bucket: self._on_gradient(b))
+            for bucket in self.buckets
+            for p in bucket.params
         ]
+        self._armed = False
+        self._next = 0
         self._works: list[dist.Work] = []
 
-    def start(self) -> None:
-        """Launch every bucket's all-reduce asynchronously (after the stage's last backward)."""
+    def arm(self) -> None:
+        """The next backward is the stage's last of the step: start buckets as their gradients finish."""
         for bucket in self.buckets:
-            grads = [torch.zeros_like(p) if p.grad is None else p.grad for p in bucket.params]
-            torch.cat([g.reshape(-1) for g in grads], out=bucket.flat)
+            bucket.ready = 0
+        self._next = 0
+        self._armed = True
+
+    def _on_gradient(self, bucket: _Bucket) -> None:
+        if not self._armed:
+            return
+        bucket.ready += 1
+        while self._next < len(self.buckets) and self.buckets[self._next].ready == len(
+            self.buckets[self._next].params
+        ):
+            self._issue(self.buckets[self._next])
+
+    def _issue(self, bucket: _Bucket) -> None:
+        grads = [torch.zeros_like(p) if p.grad is None else p.grad for p in bucket.params]
+        torch.cat([g.reshape(-1) for g in grads], out=bucket.flat)
+        with self.groups.waiter.issuing():
             self._works.append(dist.all_reduce(bucket.flat, group=bucket.group, async_op=True))
+        self._next += 1
+
+    def flush(self) -> None:
+        """After the last backward: issue the buckets not started yet (parameters without gradient)."""
+        self._armed = False
+        while self._next < len(self.buckets):
+            self._issue(self.buckets[self._next])
 
     def finish(self, abort: threading.Event) -> None:
         """Wait (abortably) for the all-reduces and write the sums back into ``.grad``."""
@@ -68,3 +119,8 @@ class GradientSync:
                     p.grad = summed.clone()
                 else:
                     p.grad.copy_(summed)
+
+    def close(self) -> None:
+        for handle in self._handles:
+            handle.remove()
+        self._handles.clear()

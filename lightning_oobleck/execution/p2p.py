@@ -69,9 +69,13 @@ class Outbox:
     created without ``meta``).
     """
 
-    def __init__(self, peer: int, device: torch.device, header: bool) -> None:
+    def __init__(
+        self, peer: int, device: torch.device, waiter: CommWaiter, abort: threading.Event, header: bool
+    ) -> None:
         self.peer = peer
         self.device = device
+        self._waiter = waiter
+        self._abort = abort
         self._header = header
         self._pending: list[tuple[dist.Work, Tensor]] = []
 
@@ -82,10 +86,12 @@ class Outbox:
         self._isend(t.detach().contiguous())
 
     def _isend(self, t: Tensor) -> None:
-        self._pending.append((dist.isend(t, self.peer), t))
+        with self._waiter.issuing():
+            self._pending.append((dist.isend(t, self.peer), t))
 
-    def wait(self, waiter: CommWaiter, abort: threading.Event) -> None:
-        waiter.wait([work for work, _ in self._pending], abort)
+    def wait(self) -> None:
+        """Block (abortably) until every tensor sent so far has left."""
+        self._waiter.wait([work for work, _ in self._pending], self._abort)
         self._pending.clear()
 
 
@@ -117,15 +123,17 @@ class Inbox:
         self._header: tuple[dist.Work, Tensor] | None = None
         self._next: tuple[dist.Work, Tensor] | None = None
         if count > 0 and meta is None:
-            header = torch.empty(_HEADER_LEN, dtype=torch.int64, device=device)
-            self._header = (dist.irecv(header, peer), header)
+            self._header = self._irecv(torch.empty(_HEADER_LEN, dtype=torch.int64, device=device))
         elif count > 0 and prefetch:
             self._post()
 
+    def _irecv(self, buf: Tensor) -> tuple[dist.Work, Tensor]:
+        with self._waiter.issuing():
+            return dist.irecv(buf, self.peer), buf
+
     def _post(self) -> None:
         assert self.meta is not None
-        buf = torch.empty(self.meta.shape, dtype=self.meta.dtype, device=self.device)
-        self._next = (dist.irecv(buf, self.peer), buf)
+        self._next = self._irecv(torch.empty(self.meta.shape, dtype=self.meta.dtype, device=self.device))
 
     def get(self) -> Tensor:
         """The next tensor (blocks, abortably, until it has arrived)."""

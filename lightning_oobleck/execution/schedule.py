@@ -75,8 +75,10 @@ class _Step:
         self.stash: deque[tuple[Tensor, Tensor]] = deque()
         prev, nxt = ctx.prev_rank, ctx.next_rank
         self.acts_in = None if prev is None else Inbox(prev, microbatches, ctx.device, ctx.waiter, ctx.abort)
-        self.acts_out = None if nxt is None else Outbox(nxt, ctx.device, header=True)
-        self.grads_out = None if prev is None else Outbox(prev, ctx.device, header=False)
+        self.acts_out = None if nxt is None else Outbox(nxt, ctx.device, ctx.waiter, ctx.abort, header=True)
+        self.grads_out = (
+            None if prev is None else Outbox(prev, ctx.device, ctx.waiter, ctx.abort, header=False)
+        )
         self.grads_in: Inbox | None = None
 
     def stage_input(self, i: int, train: bool) -> Tensor:
@@ -126,7 +128,7 @@ class _Step:
     def wait_sends(self) -> None:
         for box in (self.acts_out, self.grads_out):
             if box is not None:
-                box.wait(self.ctx.waiter, self.ctx.abort)
+                box.wait()
 
 
 def run_train(
@@ -136,20 +138,23 @@ def run_train(
     microbatches: int,
     loss_fn: LossFn,
     loss_scale: float,
-    on_last_backward: Callable[[], None],
+    before_last_backward: Callable[[], None],
+    after_last_backward: Callable[[], None],
 ) -> Tensor | None:
     """Forward and backward every micro-batch in 1F1B order; return the scaled loss sum (last stage).
 
-    ``on_last_backward`` runs right after the stage's last backward (it starts the gradient sync, which
-    then overlaps the earlier stages' backward and this stage's pending sends).
+    The callbacks bracket the stage's last backward: the gradient sync starts inside it, bucket by
+    bucket, and overlaps the rest of it, the earlier stages' backward and this stage's pending sends.
     """
     step = _Step(ctx, inputs, targets, microbatches, loss_fn, loss_scale)
     for action, i in one_f_one_b(ctx.num_stages, ctx.stage, microbatches):
         if action == "F":
             step.forward(i, train=True)
         else:
+            if i == microbatches - 1:
+                before_last_backward()
             step.backward()
-    on_last_backward()
+    after_last_backward()
     step.wait_sends()
     return step.loss_sum
 

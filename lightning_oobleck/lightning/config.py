@@ -41,7 +41,7 @@ class OobleckConfig:
     plan_timeout_s: float = 300.0
     """How long workers wait for rank 0 to publish the plan (profiling and planning included)."""
     start_method: str = "spawn"
-    """How the local launcher starts workers: ``spawn`` (scripts, needs the ``__main__`` guard) or ``fork``."""
+    """How the local launcher starts workers: ``spawn`` (needs the ``__main__`` guard) or ``fork``."""
     planner: dict[str, Any] = field(default_factory=dict)
     """Extra keyword arguments for the planner's ``make_plan``."""
     profile_path: str | None = None
@@ -103,7 +103,7 @@ def _largest_divisor_at_most(n: int, limit: int) -> int:
 
 
 def load_oobleck_config(cfg: OobleckConfig | DictConfig | dict[str, Any] | str | Path) -> OobleckConfig:
-    """Merge ``cfg`` (a dataclass, an OmegaConf node, a dict or a YAML path) over the defaults, type-checked."""
+    """Merge ``cfg`` (dataclass, OmegaConf node, dict or YAML path) over the defaults, type-checked."""
     if isinstance(cfg, OobleckConfig):
         return cfg
     node = OmegaConf.load(cfg) if isinstance(cfg, str | Path) else cfg

@@ -73,7 +73,7 @@ class GlobalBatchSampler(Sampler[list[int]]):
         return self
 
     def set_epoch(self, epoch: int) -> None:
-        """Called by Lightning at every epoch start: a new epoch starts at step 0, the resumed one where it was."""
+        """Called by Lightning at each epoch start: a new epoch starts at 0, a resumed one where it was."""
         if epoch != self.position.epoch:
             self.position = DataPosition(epoch, 0)
 
@@ -99,7 +99,8 @@ class GlobalBatchSampler(Sampler[list[int]]):
     def load_state_dict(self, state: dict[str, Any]) -> None:
         if int(state["seed"]) != self.seed:
             raise ValueError(
-                f"the checkpoint's data order was drawn with seed={state['seed']}, this run has seed={self.seed}: "
+                f"the checkpoint's data order was drawn with seed={state['seed']}, this run has "
+                f"seed={self.seed}: "
                 "resume with the same seed"
             )
         self.position = DataPosition(int(state["epoch"]), int(state["step"]))

@@ -6,9 +6,13 @@ Lightning's launchers make the main process rank 0 (``ddp``) or kill every child
 * the calling process is a **supervisor**, never a worker: it hosts the rendezvous ``TCPStore`` server
   and the :class:`SupervisorService` objects (the recovery coordinator), which therefore outlive every
   worker;
-* workers are started with ``spawn`` (like ``ddp_spawn``; ``fork`` is allowed for notebooks and tests):
-  the caller's ``trainer.fit`` returns in the supervisor with the survivors' state and weights, which a
-  script re-run (``ddp``) cannot give, and the supervisor never runs user code that could crash it;
+* workers are started with ``spawn`` (like ``ddp_spawn``) or ``fork`` (no Lightning re-import per
+  worker: much faster start on CPU; notebooks): the caller's ``trainer.fit`` returns in the supervisor
+  with the survivors' state and weights, which a script re-run (``ddp``) cannot give, and the supervisor
+  never runs training code that could crash it;
+* workers are started *before* the store and the services, and wait for their environment on a pipe:
+  no supervisor thread exists at a fork (a worker forked while the store's server thread ran was seen
+  to deadlock in its TCPStore client, past the store's own timeout);
 * a worker's death is reported to the services at once and otherwise left alone; the run succeeds if any
   worker finished, and the supervisor raises :class:`LaunchError` only when none did;
 * workers die with the supervisor (Linux ``PR_SET_PDEATHSIG``) and every wait is bounded.

@@ -58,7 +58,7 @@ class PipelineModule:
 
     layers: nn.ModuleDict
     init_seed: int = 0
-    """Seeds the initial weights, so the module starts from the same weights under every strategy and layout."""
+    """Seeds the initial weights: the same weights under every strategy and every layout."""
 
     def configure_layers(self) -> Sequence[nn.Module]:
         """The model as ordered layers; layer ``i`` receives the output of layer ``i - 1``."""
@@ -75,7 +75,7 @@ class PipelineModule:
         )
 
     def split_batch(self, batch: Any) -> tuple[Any, Any]:
-        """``(inputs, targets)`` of a batch; the default takes a pair. Inputs feed layer 0, targets the loss."""
+        """``(inputs, targets)`` of a batch (default: a pair). Inputs feed layer 0, targets the loss."""
         try:
             inputs, targets = batch
         except (TypeError, ValueError) as e:
@@ -142,6 +142,16 @@ class PipelineModule:
         trainer = getattr(self, "_trainer", None)
         strategy = getattr(trainer, "strategy", None)
         return strategy if isinstance(strategy, PipelineExecutor) else None
+
+
+def as_pipeline_module(module: object) -> PipelineModule:
+    """``module`` itself if it declares its layers; otherwise an error that shows how to."""
+    if not isinstance(module, PipelineModule):
+        raise TypeError(
+            f"{type(module).__name__} cannot be cut into pipeline stages: mix PipelineModule into it and "
+            f"declare the model as ordered layers, for example:\n{_MINIMAL_EXAMPLE}"
+        )
+    return module
 
 
 def meta_layers(module: PipelineModule) -> list[nn.Module]:

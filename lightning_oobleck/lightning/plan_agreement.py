@@ -9,6 +9,7 @@ instead of waiting for a timeout.
 
 from __future__ import annotations
 
+import itertools
 import json
 from collections.abc import Callable, Sequence
 from datetime import timedelta
@@ -29,7 +30,7 @@ def agree_on_plan(
     num_workers: int,
     make_plan: Callable[[], Plan],
 ) -> Plan:
-    """The plan of this launch: made on rank 0 (by ``make_plan`` unless the config fixes it), read elsewhere."""
+    """The plan of this launch: made on rank 0 (``make_plan`` unless the config fixes it), read elsewhere."""
     if is_rank_zero:
         try:
             plan = configured_plan(config, num_layers, num_workers) or make_plan()
@@ -84,7 +85,8 @@ def layout_plan(config: OobleckConfig, num_layers: int, num_workers: int) -> Pla
     check_layout_size(config, num_workers)
     if len(layout) < config.fault_tolerance + 1:
         raise ValueError(
-            f"layout has {len(layout)} pipeline(s), but fault_tolerance={config.fault_tolerance} needs at least "
+            f"layout has {len(layout)} pipeline(s), but fault_tolerance={config.fault_tolerance} needs at "
+            "least "
             f"{config.fault_tolerance + 1}: add pipelines or lower fault_tolerance"
         )
     microbatches = config.microbatches or _even_split(config.num_microbatches, len(layout))
@@ -130,7 +132,7 @@ def check_layout_size(config: OobleckConfig, num_workers: int) -> None:
 def _template(bounds: Sequence[int], gpus: int) -> PipelineTemplate:
     stages = tuple(
         Stage(first, end, node=s // gpus, device=s % gpus)
-        for s, (first, end) in enumerate(zip(bounds[:-1], bounds[1:], strict=True))
+        for s, (first, end) in enumerate(itertools.pairwise(bounds))
     )
     return PipelineTemplate(
         num_nodes=len(stages) // gpus,

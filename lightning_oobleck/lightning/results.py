@@ -124,15 +124,14 @@ def restore_in_main_process(
     if trainer.checkpoint_callback is not None and result.best_model_path is not None:
         trainer.checkpoint_callback.best_model_path = result.best_model_path  # type: ignore[attr-defined]
     if weights:
-        module = trainer.lightning_module
-        missing = [name for name in module.state_dict() if name not in weights]
-        if missing:
+        incompatible = trainer.lightning_module.load_state_dict(weights, strict=False)
+        if incompatible.missing_keys or incompatible.unexpected_keys:
             raise RuntimeError(
-                f"no finished worker returned {len(missing)} entries of the model's state dict "
-                f"(first: {missing[:3]}); the strategy's lightning_module_state_dict() must return every "
-                "layer a worker owns, under the LightningModule's own parameter names"
+                f"the finished workers' weights do not fit the model in the launching process: missing "
+                f"{incompatible.missing_keys[:3]}, unexpected {incompatible.unexpected_keys[:3]}; the "
+                "strategy's lightning_module_state_dict() must return every layer a worker owns, under the "
+                "LightningModule's own parameter names"
             )
-        module.load_state_dict(weights, strict=False)
     if result.fit_loop_state is not None:
         trainer.fit_loop.load_state_dict(result.fit_loop_state)
     if result.trainer_state is not None:

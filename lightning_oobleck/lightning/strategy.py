@@ -15,8 +15,9 @@ How a training step maps onto Lightning's automatic optimisation (which runs ``t
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from datetime import timedelta
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -37,6 +38,12 @@ from torch.utils.data import DataLoader, DistributedSampler
 
 from lightning_oobleck.execution import PipelineEngine, ProcessGroups
 from lightning_oobleck.execution.process_groups import backend_for
+from lightning_oobleck.lightning.checkpoint import (
+    load_metadata,
+    load_sharded_model,
+    load_sharded_optimizers,
+    save_sharded,
+)
 from lightning_oobleck.lightning.config import OobleckConfig, load_oobleck_config
 from lightning_oobleck.lightning.data import (
     DataPosition,
@@ -46,7 +53,12 @@ from lightning_oobleck.lightning.data import (
     wrap_dataloader,
 )
 from lightning_oobleck.lightning.environment import OobleckEnvironment, detect_environment
-from lightning_oobleck.lightning.module import PipelineExecutor, PipelineModule, meta_layers
+from lightning_oobleck.lightning.module import (
+    PipelineExecutor,
+    PipelineModule,
+    as_pipeline_module,
+    meta_layers,
+)
 from lightning_oobleck.lightning.plan_agreement import agree_on_plan, check_layout_size
 from lightning_oobleck.planning.plan import Plan
 
@@ -84,6 +96,7 @@ class OobleckStrategy(ParallelStrategy, PipelineExecutor):
         self._groups: ProcessGroups | None = None
         self._engine: PipelineEngine | None = None
         self._in_flight = DataPosition()
+        self._checkpoint_path: Path | None = None
         self._stashed_grads: list[Tensor | None] | None = None
 
     @classmethod
@@ -166,7 +179,6 @@ class OobleckStrategy(ParallelStrategy, PipelineExecutor):
             environment.world_size(),
             make_plan=lambda: self._planner_plan(module, environment.world_size()),
         )
-        self._check_world(plan)
         self._groups = ProcessGroups(
             plan,
             environment.worker,
@@ -246,10 +258,12 @@ class OobleckStrategy(ParallelStrategy, PipelineExecutor):
                 raise ValueError(
                     "to plan, the strategy profiles every layer on one micro-batch: set "
                     f"self.example_input_array to the inputs of {cfg.microbatch_size} samples in your "
-                    "module's __init__, or give OobleckStrategy(profile_path=..., layout=... or plan_path=...)"
+                    "module's __init__, or give OobleckStrategy(profile_path=..., layout=..., plan_path=...)"
                 )
             with self.precision_plugin.tensor_init_context():
-                profile = profile_layers(module.configure_layers, example, self.root_device, seed=module.init_seed)
+                profile = profile_layers(
+                    module.configure_layers, example, self.root_device, seed=module.init_seed
+                )
         options = dict(cfg.planner)
         cluster = ClusterSpec(**options.pop("cluster", {}))
         return make_plan(
@@ -281,9 +295,11 @@ class OobleckStrategy(ParallelStrategy, PipelineExecutor):
         inputs = inputs if engine.is_first_stage else None
         targets = targets if engine.is_last_stage else None
         if train:
-            self._clear_grads()
+            # The previous step's gradients are still in .grad (Lightning zeroes them only after
+            # training_step); the schedule accumulates into .grad, so it must start from nothing.
+            self._take_grads()
             part = engine.train_step(inputs, targets)
-            self._stash_grads()
+            self._stashed_grads = self._take_grads()
         else:
             part = engine.eval_step(inputs, targets)
         loss = part.detach() if part is not None else torch.zeros((), device=self.root_device)
@@ -324,15 +340,13 @@ class OobleckStrategy(ParallelStrategy, PipelineExecutor):
     def _params(self) -> list[Tensor]:
         return list(self.engine.module.parameters())
 
-    def _clear_grads(self) -> None:
-        for p in self._params():
-            p.grad = None
-
-    def _stash_grads(self) -> None:
+    def _take_grads(self) -> list[Tensor | None]:
+        """Move the gradients out of ``.grad`` (no copy)."""
         params = self._params()
-        self._stashed_grads = [p.grad for p in params]
+        grads = [p.grad for p in params]
         for p in params:
             p.grad = None
+        return grads
 
     def _restore_grads(self) -> None:
         if self._stashed_grads is None:
@@ -358,7 +372,7 @@ class OobleckStrategy(ParallelStrategy, PipelineExecutor):
         """Replace the sampler: each rank loads its pipeline's share of every global batch."""
         if not isinstance(dataloader, DataLoader):
             raise TypeError(
-                f"the oobleck strategy needs torch DataLoaders over map-style datasets, got {type(dataloader)}"
+                f"the oobleck strategy needs DataLoaders over map-style datasets, got {type(dataloader)}"
             )
         try:
             num_samples = len(dataloader.dataset)  # type: ignore[arg-type]
@@ -379,7 +393,46 @@ class OobleckStrategy(ParallelStrategy, PipelineExecutor):
         )
         return wrap_dataloader(dataloader, sampler)
 
-    # ------------------------------------------------------------------ collectives on the current default group
+    # ------------------------------------------------------------------ sharded checkpoints
+    @property
+    def restore_checkpoint_after_setup(self) -> bool:
+        # Weights load into the layers this rank owns, which exist only once setup() built the engine.
+        return True
+
+    def save_checkpoint(
+        self, checkpoint: dict[str, Any], filepath: str | Path, storage_options: Any | None = None
+    ) -> None:
+        """Collective: each layer's weights and optimizer state once (DCP), Lightning's metadata by rank 0."""
+        groups = self._require_groups()
+        metadata = {k: v for k, v in checkpoint.items() if k not in ("state_dict", "optimizer_states")}
+        # Lightning insists on the key when it restores; the optimizer state itself lives in the shards.
+        metadata["optimizer_states"] = []
+        save_sharded(
+            filepath,
+            self.engine.module,
+            self.optimizers,
+            metadata,
+            is_writer_for_layer=lambda layer: groups.plan.layer_owners(layer)[0] == groups.worker,
+        )
+
+    def load_checkpoint(
+        self, checkpoint_path: str | Path, weights_only: bool | None = None
+    ) -> dict[str, Any]:
+        self._checkpoint_path = Path(checkpoint_path)
+        return load_metadata(checkpoint_path)
+
+    def load_model_state_dict(self, checkpoint: Mapping[str, Any], strict: bool = True) -> None:
+        load_sharded_model(self._require_checkpoint_path(), self.engine.module)
+
+    def load_optimizer_state_dict(self, checkpoint: Mapping[str, Any]) -> None:
+        load_sharded_optimizers(self._require_checkpoint_path(), self.engine.module, self.optimizers)
+
+    def _require_checkpoint_path(self) -> Path:
+        if self._checkpoint_path is None:
+            raise RuntimeError("load_checkpoint() must come first: it names the sharded checkpoint")
+        return self._checkpoint_path
+
+    # ------------------------------------------------------------------ collectives on the default group
     def reduce(
         self, tensor: Tensor | Any, group: Any | None = None, reduce_op: ReduceOp | str | None = "mean"
     ) -> Tensor | Any:
@@ -403,43 +456,23 @@ class OobleckStrategy(ParallelStrategy, PipelineExecutor):
         environment = self.cluster_environment
         if not isinstance(environment, OobleckEnvironment):
             raise TypeError(
-                f"the oobleck strategy needs an OobleckEnvironment (local or SLURM), got {type(environment)}; "
-                "leave cluster_environment unset to detect it"
+                f"the oobleck strategy needs an OobleckEnvironment (local or SLURM), not {type(environment)};"
+                " leave cluster_environment unset to detect it"
             )
         return environment
 
     def _pipeline_module(self) -> PipelineModule:
-        module = self.lightning_module
-        if not isinstance(module, PipelineModule):
-            raise TypeError(
-                f"{type(module).__name__} cannot be cut into pipeline stages: mix PipelineModule into it and "
-                "declare the model as ordered layers, e.g.\n"
-                "    class MyModel(PipelineModule, L.LightningModule):\n"
-                "        def configure_layers(self):\n"
-                "            return [nn.Linear(32, 64), nn.ReLU(), nn.Linear(64, 10)]\n"
-                "        def compute_loss(self, output, target):\n"
-                "            return nn.functional.cross_entropy(output, target)"
-            )
-        return module
-
-    def _check_world(self, plan: Plan) -> None:
-        launched = self._environment().world_size()
-        if len(plan.workers) != launched:
-            raise ValueError(
-                f"the plan runs {len(plan.workers)} workers ({len(plan.nodes)} nodes x "
-                f"{plan.gpus_per_node} devices) but {launched} processes were launched: set "
-                f"Trainer(devices=..., num_nodes=...) to match, or give a layout/plan for {launched} workers"
-            )
+        return as_pipeline_module(self.lightning_module)
 
     def _check_trainer(self, trainer: Trainer) -> None:
         module = self.lightning_module
         assert module is not None
         if trainer.state.fn == TrainerFn.FITTING and trainer.accumulate_grad_batches != 1:
+            equivalent = self.config.global_batch_size * trainer.accumulate_grad_batches
             raise ValueError(
                 f"accumulate_grad_batches={trainer.accumulate_grad_batches} is not supported by the oobleck "
                 "strategy: a step already accumulates over its micro-batches. Raise global_batch_size "
-                f"instead (global_batch_size={self.config.global_batch_size * trainer.accumulate_grad_batches} "
-                "is equivalent)"
+                f"instead (global_batch_size={equivalent} is equivalent)"
             )
         if not module.automatic_optimization:
             raise ValueError("the oobleck strategy supports automatic optimisation only")
@@ -447,8 +480,8 @@ class OobleckStrategy(ParallelStrategy, PipelineExecutor):
     def _check_precision(self) -> None:
         if isinstance(self.precision_plugin, MixedPrecision) and self.precision_plugin.scaler is not None:
             raise ValueError(
-                "precision='16-mixed' needs a gradient scaler around a backward that the pipeline schedule runs "
-                "itself; use precision='bf16-mixed' (no scaler needed) or '32-true'"
+                "precision='16-mixed' needs a gradient scaler around a backward that the pipeline schedule "
+                "runs itself; use precision='bf16-mixed' (no scaler needed) or '32-true'"
             )
 
     def _check_optimizers(self) -> None:
@@ -457,7 +490,7 @@ class OobleckStrategy(ParallelStrategy, PipelineExecutor):
             for group in optimizer.param_groups:
                 if any(id(p) not in owned for p in group["params"]):
                     raise ValueError(
-                        "configure_optimizers must optimise self.parameters() (the layers this process owns); "
+                        "configure_optimizers must optimise self.parameters() (the layers held here): "
                         "an optimizer holds a parameter outside self.layers"
                     )
 

@@ -7,13 +7,14 @@ The predicted iteration time of a choice of ``k`` pipelines is
 with the micro-batches ``m_p`` distributed optimally (:mod:`lightning_oobleck.planning.batch`).
 
 Search. When the cluster admits few enough multisets of template sizes (at most ``exact_limit``),
-every one is evaluated exactly. Otherwise a dynamic programme over (number of pipelines, nodes used)
-finds, for every pipeline count ``k``, the multiset maximising a linear score: first the steady-state
-throughput ``sum 1 / max_stage_time``, then the micro-batch capacity under the best deadline found so
-far; the most even split of the nodes into ``k`` pipelines joins them. Those shortlisted multisets (three per ``k``) are evaluated exactly, and the fastest few are improved by
-a local search (split, merge or resize one or two pipelines) while the exact time drops. This path is a
-heuristic: ``tests/planning/test_instantiation.py`` shows the exhaustive path equals brute force and
-measures how far the large-cluster path is from the optimum on clusters small enough to enumerate.
+every one is evaluated exactly. Otherwise three candidates per pipeline count ``k`` are shortlisted:
+the most even split of the nodes into ``k`` pipelines, and the multisets a dynamic programme over
+(number of pipelines, nodes used) finds for two linear scores, the steady-state throughput
+``sum 1 / max_stage_time`` and the micro-batch capacity under the best deadline found so far. They
+are evaluated exactly, and the fastest few are improved by a local search (split, merge or resize one
+or two pipelines) while the exact time drops. This path is a heuristic without an optimality proof;
+``tests/planning/test_instantiation.py`` shows that the exhaustive path equals brute force and that
+the large-cluster path finds the same optimum on every sampled cluster small enough to enumerate.
 """
 
 from __future__ import annotations

@@ -115,6 +115,8 @@ class WorkerAgent:
 
     def start(self) -> WorkerAgent:
         """Connect (retrying for ``connect_timeout``), register, and start the heartbeat thread."""
+        if self._sock is not None:
+            raise RuntimeError("this agent was already started: use one WorkerAgent per start")
         deadline = time.monotonic() + self.connect_timeout
         while True:
             try:
@@ -133,15 +135,20 @@ class WorkerAgent:
         os.register_at_fork(
             after_in_child=lambda: (a := agent()) is not None and a._drop_inherited_connection()
         )
-        self._send(
-            "register",
-            node=self.worker.node,
-            device=self.worker.device,
-            pid=os.getpid(),
-            host=socket.gethostname(),
-        )
         try:
+            self._send(
+                "register",
+                node=self.worker.node,
+                device=self.worker.device,
+                pid=os.getpid(),
+                host=socket.gethostname(),
+            )
             pending = self._await_welcome(deadline=time.monotonic() + self.connect_timeout)
+        except OSError as e:
+            self._sock.close()
+            raise CoordinatorUnreachable(
+                f"registration with the coordinator at {self.address} failed: {e}"
+            ) from e
         except RecoveryError:
             self._sock.close()
             raise
@@ -161,12 +168,7 @@ class WorkerAgent:
                     f"the coordinator at {self.address} did not answer the registration"
                 )
             self._sock.settimeout(remaining)
-            try:
-                data = self._sock.recv(65536)
-            except OSError as e:
-                raise CoordinatorUnreachable(
-                    f"registration with the coordinator at {self.address} failed: {e}"
-                ) from e
+            data = self._sock.recv(65536)
             if not data:
                 raise CoordinatorUnreachable(f"the coordinator at {self.address} closed the connection")
             messages = self._reader.feed(data)
@@ -248,15 +250,17 @@ class WorkerAgent:
             if announced.generation > generation:
                 raise GenerationChanged(announced)
         self._send_or_lose("ready", generation=generation)
-        with self._cond:
-            self._cond.wait_for(
-                lambda: (
-                    self._error
-                    or (self._agreed and self._agreed.generation >= generation)
-                    or self._announced.generation > generation
-                ),  # type: ignore[union-attr]
-                timeout,
+
+        def settled() -> bool:
+            agreed, newest = self._agreed, self._announced
+            return bool(
+                self._error
+                or (agreed and agreed.generation >= generation)
+                or (newest and newest.generation > generation)
             )
+
+        with self._cond:
+            self._cond.wait_for(settled, timeout)
             if self._agreed is not None and self._agreed.generation == generation:
                 return self._agreed
             self._raise_error()

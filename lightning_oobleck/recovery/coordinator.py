@@ -574,7 +574,7 @@ def main(argv: list[str] | None = None) -> int:
     Exit status 0 if at least one worker finished normally, 1 otherwise.
     """
     parser = argparse.ArgumentParser(
-        prog="python -m lightning_oobleck.recovery.coordinator",
+        prog="python -m lightning_oobleck.recovery",
         description="Failure detector and membership authority for an oobleck training run.",
     )
     parser.add_argument("--world-size", type=int, required=True, help="number of worker processes at start")
@@ -585,6 +585,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--heartbeat-timeout", type=float, default=2.0, help="seconds of silence = dead")
     parser.add_argument("--settle", type=float, default=0.1, help="seconds to fold concurrent failures")
     parser.add_argument("--agreement-timeout", type=float, default=30.0, help="seconds to reach agreement")
+    parser.add_argument(
+        "--kill-fenced", action="store_true", help="also SIGKILL fenced workers that run on this host"
+    )
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s oobleck-coordinator %(message)s")
     with Coordinator(
@@ -595,6 +598,7 @@ def main(argv: list[str] | None = None) -> int:
         settle_s=args.settle,
         agreement_timeout=args.agreement_timeout,
         advertise_host=args.advertise_host,
+        kill_fenced=args.kill_fenced,
     ) as coordinator:
         log.info("listening on %s for %d workers", coordinator.address, args.world_size)
         if args.address_file:
@@ -604,7 +608,3 @@ def main(argv: list[str] | None = None) -> int:
         while not coordinator.wait_done(1.0):
             pass
     return 0 if coordinator.finished else 1
-
-
-if __name__ == "__main__":
-    raise SystemExit(main())

@@ -56,7 +56,9 @@ def reference_run(steps: int, batch_size: int) -> dict[str, Any]:
     return {"losses": losses, "norms": norms, "eval": eval_loss, "params": dict(reference.named_parameters())}
 
 
-def train_layout(store: dist.Store, state: dict[str, Any], plan: Plan, generation: int, steps: int) -> dict:
+def train_layout(
+    store: dist.Store, state: dict[str, Any], plan: Plan, generation: int, steps: int, bucket_cap_bytes: int
+) -> dict:
     """Train ``steps`` AdamW steps as worker ``plan.workers[rank]``; report what the test compares.
 
     Records the token rows the first layer of each pipeline actually received, to check that every
@@ -65,7 +67,9 @@ def train_layout(store: dist.Store, state: dict[str, Any], plan: Plan, generatio
     worker = plan.workers[state["index"]]
     groups = ProcessGroups(plan, worker, store, generation, timeout=timedelta(seconds=30))
     try:
-        engine = PipelineEngine(model, gpt_loss, groups, CPU, seed=SEED, dtype=torch.float64)
+        engine = PipelineEngine(
+            model, gpt_loss, groups, CPU, seed=SEED, dtype=torch.float64, bucket_cap_bytes=bucket_cap_bytes
+        )
         rows: list[Tensor] = []
         if engine.is_first_stage:
             first = engine.module.layer(0)
@@ -126,13 +130,14 @@ def join_groups(
     return groups.rank
 
 
-def blocked_step_aborted_after(store: dist.Store, state: dict[str, Any], delay_s: float) -> dict[str, Any]:
-    """Run a step whose peer is silent; set the abort event after ``delay_s``; report what happened."""
+def blocked_step(store: dist.Store, state: dict[str, Any], abort_after_s: float | None) -> dict[str, Any]:
+    """Run a step whose peer is silent or dead, setting the abort event after ``abort_after_s`` if given."""
     engine: PipelineEngine = state["engine"]
-    timer = threading.Timer(delay_s, state["abort"].set)
+    timer = None if abort_after_s is None else threading.Timer(abort_after_s, state["abort"].set)
     inputs, _ = global_batch(0, engine.plan.global_batch_size)
     start = time.monotonic()
-    timer.start()
+    if timer is not None:
+        timer.start()
     try:
         engine.train_step(inputs[engine.batch_slice], None)
         outcome = "returned"

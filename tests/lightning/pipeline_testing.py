@@ -37,26 +37,24 @@ class TinyNet(PipelineModule, L.LightningModule):
         return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
 
 
-def dataset(n: int, seed: int) -> TensorDataset:
+def dataset(n: int, seed: int, dtype: torch.dtype) -> TensorDataset:
     g = torch.Generator().manual_seed(seed)
-    return TensorDataset(
-        torch.randn(n, 4, generator=g, dtype=torch.float64), torch.randint(0, 3, (n,), generator=g)
-    )
+    return TensorDataset(torch.randn(n, 4, generator=g, dtype=dtype), torch.randint(0, 3, (n,), generator=g))
 
 
-def train_loader(shuffle: bool = True) -> DataLoader:
+def train_loader(dtype: torch.dtype = torch.float64) -> DataLoader:
     """What a user writes; the strategy replaces its sampler."""
-    return DataLoader(dataset(40, seed=1), batch_size=GLOBAL_BATCH, shuffle=shuffle)
+    return DataLoader(dataset(40, seed=1, dtype=dtype), batch_size=GLOBAL_BATCH, shuffle=True)
 
 
-def reference_train_loader(seed: int) -> DataLoader:
+def reference_train_loader(seed: int, dtype: torch.dtype = torch.float64) -> DataLoader:
     """The same global batches in one process."""
-    data = dataset(40, seed=1)
+    data = dataset(40, seed=1, dtype=dtype)
     return DataLoader(data, batch_sampler=GlobalBatchSampler(len(data), GLOBAL_BATCH, seed=seed))
 
 
-def val_loader() -> DataLoader:
-    return DataLoader(dataset(24, seed=2), batch_size=GLOBAL_BATCH)
+def val_loader(dtype: torch.dtype = torch.float64) -> DataLoader:
+    return DataLoader(dataset(24, seed=2, dtype=dtype), batch_size=GLOBAL_BATCH)
 
 
 class HookRecorder(L.Callback):

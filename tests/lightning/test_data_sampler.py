@@ -46,7 +46,7 @@ def test_order_is_deterministic_from_the_seed_and_changes_with_the_epoch() -> No
     first = list(a)
     a.set_epoch(1)
     assert list(a) != first
-    assert list(GlobalBatchSampler(NUM_SAMPLES, BATCH, shuffle=False))[0] == list(range(BATCH))
+    assert next(iter(GlobalBatchSampler(NUM_SAMPLES, BATCH, shuffle=False))) == list(range(BATCH))
 
 
 def test_resumes_from_its_state_without_loss_or_repetition() -> None:

@@ -108,6 +108,16 @@ def test_workers_get_positions_from_the_supervisor_store():
     assert not launcher.last_report.lost
 
 
+@pytest.mark.timeout(120)
+def test_forked_workers_never_hang_connecting_to_the_store():
+    # Forking while the store's server thread ran once deadlocked a worker's TCPStore client (under load,
+    # a few launches in 30); workers are now forked before the store starts.
+    for _ in range(15):
+        launcher = OobleckLauncher(4, start_method="fork", timeout_s=20, finish_grace_s=5)
+        assert launcher.launch(report_position) == 0
+        assert launcher.last_report is not None and not launcher.last_report.lost
+
+
 @pytest.mark.timeout(60)
 @pytest.mark.parametrize("victim", [0, 2])
 def test_sigkilled_worker_leaves_the_others_running(victim: int):
@@ -186,11 +196,13 @@ def test_sigkilled_supervisor_leaves_no_orphan(tmp_path: Path):
     )
     pid_dir = tmp_path / "pids"
     pid_dir.mkdir()
-    supervisor = subprocess.Popen([sys.executable, str(script), str(pid_dir)])
+    stderr = tmp_path / "supervisor.err"
+    with open(stderr, "w") as err:
+        supervisor = subprocess.Popen([sys.executable, str(script), str(pid_dir)], stderr=err)
     try:
         deadline = time.monotonic() + 60
         while len(list(pid_dir.iterdir())) < 2:
-            assert time.monotonic() < deadline and supervisor.poll() is None, "workers never started"
+            assert time.monotonic() < deadline and supervisor.poll() is None, stderr.read_text()
             time.sleep(0.05)
         workers = [int(p.name) for p in pid_dir.iterdir()]
         assert all(_alive(pid) for pid in workers)

@@ -84,7 +84,7 @@ class RankSpecificRun(L.Callback):
         torch.save(state, self.out / f"final-{trainer.global_rank}.pt")
 
 
-@pytest.mark.timeout(150)
+@pytest.mark.timeout(240)
 def test_trainer_results_come_back_from_a_survivor_when_rank_0_dies(tmp_path: Path):
     model = TinyRegression()
     initial = {k: v.clone() for k, v in model.state_dict().items()}

@@ -46,7 +46,10 @@ def trainer(devices: int, strategy: OobleckStrategy, **kwargs: object) -> L.Trai
     ("options", "message"),
     [
         ({"global_batch_size": 0}, "global_batch_size must be positive"),
-        ({"microbatch_size": 3}, "does not divide global_batch_size=8: pick a divisor, e.g. microbatch_size=2"),
+        (
+            {"microbatch_size": 3},
+            "does not divide global_batch_size=8: pick a divisor, e.g. microbatch_size=2",
+        ),
         ({"start_method": "forkserver"}, "start_method must be 'spawn' or 'fork'"),
         ({"microbatches": [2, 2]}, "only meaningful with layout"),
     ],
@@ -58,7 +61,9 @@ def test_bad_options_are_refused_when_the_strategy_is_built(options: dict, messa
 
 def test_registered_name_and_config_file_build_the_same_strategy(tmp_path) -> None:
     path = tmp_path / "strategy.yaml"
-    path.write_text("global_batch_size: 16\nmicrobatch_size: 4\nfault_tolerance: 2\nplanner: {exact_limit: 10}\n")
+    path.write_text(
+        "global_batch_size: 16\nmicrobatch_size: 4\nfault_tolerance: 2\nplanner: {exact_limit: 10}\n"
+    )
     from_file = OobleckStrategy.from_config(path)
     assert from_file.config == OobleckConfig(
         global_batch_size=16, microbatch_size=4, fault_tolerance=2, planner={"exact_limit": 10}
@@ -68,7 +73,9 @@ def test_registered_name_and_config_file_build_the_same_strategy(tmp_path) -> No
 
 
 def test_devices_not_matching_the_layout_fail_when_the_trainer_is_built() -> None:
-    with pytest.raises(ValueError, match="the layout has 4 stages in all but .* gives 3 processes: .* devices=4"):
+    with pytest.raises(
+        ValueError, match=r"the layout has 4 stages in all but .* gives 3 processes: .* devices=4"
+    ):
         trainer(3, strategy(layout=TWO_PIPELINES))
 
 
@@ -111,7 +118,9 @@ class NotAPipeline(L.LightningModule):
 
 
 def test_missing_layer_hook_shows_the_fix() -> None:
-    with pytest.raises(MissingPipelineHookError, match=r"(?s)must implement configure_layers\(\).*class MyModel"):
+    with pytest.raises(
+        MissingPipelineHookError, match=r"(?s)must implement configure_layers\(\).*class MyModel"
+    ):
         meta_layers(NoLayers())
 
 
@@ -119,5 +128,9 @@ def test_missing_layer_hook_shows_the_fix() -> None:
 def test_errors_inside_the_workers_reach_the_caller_with_the_fix() -> None:
     with pytest.raises(LaunchError, match="mix PipelineModule into it"):
         trainer(2, strategy(layout=[[0, 6], [0, 6]])).fit(NotAPipeline(), train_loader())
-    with pytest.raises(LaunchError, match=r"accumulate_grad_batches=2 .*\(global_batch_size=16 is equivalent\)"):
-        trainer(2, strategy(layout=[[0, 6], [0, 6]]), accumulate_grad_batches=2).fit(TinyNet(), train_loader())
+    with pytest.raises(
+        LaunchError, match=r"accumulate_grad_batches=2 .*\(global_batch_size=16 is equivalent\)"
+    ):
+        trainer(2, strategy(layout=[[0, 6], [0, 6]]), accumulate_grad_batches=2).fit(
+            TinyNet(), train_loader()
+        )

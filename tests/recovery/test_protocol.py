@@ -253,7 +253,7 @@ def test_the_coordinator_entry_point_serves_until_the_workers_finished(tmp_path:
     command = [
         sys.executable,
         "-m",
-        "lightning_oobleck.recovery.coordinator",
+        "lightning_oobleck.recovery",
         "--world-size=1",
         "--host=127.0.0.1",
     ]

@@ -1,0 +1,64 @@
+"""The user contract on one process: the same PipelineModule trains without the oobleck strategy."""
+
+from __future__ import annotations
+
+import lightning as L
+import pytest
+import torch
+from pipeline_testing import TinyNet, reference_train_loader
+from torch import nn
+
+from lightning_oobleck.execution.stage import build_reference_model
+from lightning_oobleck.lightning import MissingPipelineHookError, PipelineModule
+
+
+def test_single_process_module_holds_every_layer_under_global_names_and_runs_them_in_order() -> None:
+    model = TinyNet()
+    model.configure_model()
+    assert list(model.layers.keys()) == [str(i) for i in range(6)]
+    expected = build_reference_model(model.configure_layers, torch.device("cpu"), seed=model.init_seed)
+    torch.testing.assert_close(model.state_dict(), expected.state_dict(), rtol=0, atol=0)
+    x = torch.randn(5, 4)
+    torch.testing.assert_close(model(x), expected(x), rtol=0, atol=0)
+
+
+def test_the_default_steps_train_with_the_default_strategy() -> None:
+    model = TinyNet()
+    trainer = L.Trainer(
+        accelerator="cpu",
+        devices=1,
+        precision="64-true",
+        max_steps=3,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+    )
+    trainer.fit(model, reference_train_loader(seed=0))
+    assert trainer.global_step == 3
+    assert torch.isfinite(trainer.callback_metrics["train_loss"])
+
+
+def test_a_fresh_module_loads_a_full_state_dict_with_its_dtype() -> None:
+    trained = TinyNet()
+    trained.configure_model()
+    state = {k: v.double() + 1 for k, v in trained.state_dict().items()}
+    fresh = TinyNet()
+    fresh.load_state_dict(state)
+    for key, value in state.items():
+        assert fresh.state_dict()[key].dtype == torch.float64
+        torch.testing.assert_close(fresh.state_dict()[key], value, rtol=0, atol=0)
+
+
+class NoLoss(PipelineModule, L.LightningModule):
+    def configure_layers(self) -> list[nn.Module]:
+        return [nn.Linear(4, 3)]
+
+
+def test_missing_loss_hook_and_unusual_batches_explain_the_fix() -> None:
+    model = NoLoss()
+    model.configure_model()
+    with pytest.raises(MissingPipelineHookError, match=r"(?s)must implement compute_loss\(output, target\).*class"):
+        model.pipeline_loss((torch.randn(2, 4), torch.tensor([0, 1])))
+    with pytest.raises(TypeError, match=r"override split_batch\(self, batch\) -> \(inputs, targets\)"):
+        model.pipeline_loss({"x": torch.randn(2, 4)})

@@ -1,0 +1,52 @@
+"""bf16-mixed under the oobleck strategy trains like bf16-mixed on one process (autocast in every stage)."""
+
+from __future__ import annotations
+
+import lightning as L
+import pytest
+import torch
+from pipeline_testing import GLOBAL_BATCH, MICRO, TinyNet, reference_train_loader, train_loader, val_loader
+
+from lightning_oobleck.lightning import OobleckStrategy
+
+SEED, STEPS = 5, 3
+
+
+def fit(devices: int, strategy: object) -> tuple[dict[str, torch.Tensor], float]:
+    trainer = L.Trainer(
+        accelerator="cpu",
+        devices=devices,
+        strategy=strategy,
+        precision="bf16-mixed",
+        max_steps=STEPS,
+        val_check_interval=STEPS,
+        num_sanity_val_steps=0,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+    )
+    model = TinyNet()
+    f32 = torch.float32
+    loader = reference_train_loader(SEED, f32) if devices == 1 else train_loader(f32)
+    trainer.fit(model, loader, val_loader(f32))
+    return model.state_dict(), float(trainer.callback_metrics["val_loss"])
+
+
+@pytest.mark.timeout(120)
+def test_bf16_mixed_pipeline_matches_single_process_bf16() -> None:
+    ref_weights, ref_val = fit(1, "auto")
+    two_stages = OobleckStrategy(
+        global_batch_size=GLOBAL_BATCH,
+        microbatch_size=MICRO,
+        fault_tolerance=0,
+        layout=[[0, 3, 6]],
+        seed=SEED,
+        start_method="fork",
+    )
+    weights, val = fit(2, two_stages)
+    assert weights["layers.0.weight"].dtype == torch.float32  # master weights stay fp32 under autocast
+    assert ref_weights["layers.0.weight"].dtype == torch.float32
+    for key, expected in ref_weights.items():
+        torch.testing.assert_close(weights[key], expected, rtol=0, atol=2e-2, msg=key)
+    assert val == pytest.approx(ref_val, abs=2e-2)

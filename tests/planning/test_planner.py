@@ -1,0 +1,101 @@
+"""make_plan: the issue's 13-node example, the Plan API the engine uses, JSON round trip, clear errors."""
+
+from __future__ import annotations
+
+import pytest
+
+from lightning_oobleck.planning import ClusterSpec, Plan, PlanningError, make_plan, synthetic_gpt_profile
+from lightning_oobleck.planning.cost import CostModel
+from lightning_oobleck.planning.instantiation import IterationTimeModel
+from lightning_oobleck.planning.templates import InfeasibleTemplateError
+
+
+@pytest.fixture(scope="module")
+def plan13() -> Plan:
+    profile = synthetic_gpt_profile(24, microbatch_size=4)
+    return make_plan(profile, ClusterSpec(13, 1), fault_tolerance=2, global_batch_size=512)
+
+
+def test_thirteen_nodes_form_at_least_three_pipelines(plan13: Plan) -> None:
+    assert plan13.nodes == tuple(range(13))
+    assert len(plan13.pipelines) >= 3
+    assert sum(p.microbatches for p in plan13.pipelines) == 128
+    assert all(p.microbatches >= 1 for p in plan13.pipelines)
+    sizes = {t.num_nodes for t in plan13.templates}
+    assert set(range(plan13.n0, 2 * plan13.n0)) <= sizes
+    assert plan13.planning_s > 0
+
+
+def test_plan_api_is_consistent(plan13: Plan) -> None:
+    ranges = [plan13.microbatch_range(i) for i in range(len(plan13.pipelines))]
+    assert [r.start for r in ranges[1:]] == [r.stop for r in ranges[:-1]]
+    assert ranges[0].start == 0 and ranges[-1].stop == plan13.num_microbatches
+    assert len(plan13.workers) == 13
+    for layer in range(plan13.num_layers):
+        owners = plan13.layer_owners(layer)
+        assert len(owners) == len(plan13.pipelines)
+        assert all(layer in plan13.role(*w).layers for w in owners)
+
+
+def test_predicted_time_matches_the_instantiation_model(plan13: Plan) -> None:
+    cost = CostModel(synthetic_gpt_profile(24, microbatch_size=4), ClusterSpec(13, 1))
+    templates = [p.template for p in plan13.pipelines]
+    distinct = list({t.num_nodes: t for t in templates}.values())
+    model = IterationTimeModel(distinct, cost, 128, len(templates))
+    counts = [sum(t.num_nodes == d.num_nodes for t in templates) for d in distinct]
+    import numpy as np
+
+    assert plan13.iteration_time_s == pytest.approx(model(np.array(counts)))
+
+
+def test_json_round_trip_keeps_the_plan_and_its_inputs(plan13: Plan, tmp_path) -> None:
+    path = tmp_path / "plan.json"
+    path.write_text(plan13.to_json())
+    loaded = Plan.load(path)
+    assert loaded == plan13
+    assert loaded.extra["profile"] == plan13.extra["profile"]
+    d = plan13.to_dict()
+    for key in ("n0", "fault_tolerance", "templates", "pipelines", "iteration_time_s", "planning_s"):
+        assert key in d
+    stage = d["templates"][0]["stages"][0]
+    assert stage["layers"] == [0, stage["layers"][1]] and stage["node"] == 0
+    assert {"template_nodes", "nodes", "microbatches"} <= set(d["pipelines"][0])
+
+
+def test_engine_style_call_with_counts_instead_of_a_cluster() -> None:
+    plan = make_plan(
+        synthetic_gpt_profile(8, 256, 128, 2),
+        num_nodes=4,
+        gpus_per_node=2,
+        fault_tolerance=1,
+        global_batch_size=16,
+    )
+    assert plan.microbatch_size == 2 and plan.gpus_per_node == 2 and len(plan.workers) == 8
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "error", "message"),
+    [
+        ({"fault_tolerance": 7}, PlanningError, r"f=7 needs 8 pipelines .* lower --fault-tolerance to 5"),
+        (
+            {"global_batch_size": 510},
+            ValueError,
+            r"not a multiple of the micro-batch 4: use a global batch of 508",
+        ),
+        ({"global_batch_size": 8}, PlanningError, r"2 micro-batches cannot feed the 3 pipelines"),
+        ({"microbatch_size": 2}, PlanningError, r"measured for micro-batch 4, the plan asks for 2"),
+        ({"fault_tolerance": -1}, PlanningError, r"must be >= 0"),
+    ],
+)
+def test_bad_requests_name_the_problem_and_the_fix(kwargs: dict, error: type, message: str) -> None:
+    args = {"fault_tolerance": 2, "global_batch_size": 512} | kwargs
+    with pytest.raises(error, match=message):
+        make_plan(synthetic_gpt_profile(24, microbatch_size=4), ClusterSpec(13, 1), **args)
+
+
+def test_model_too_big_for_the_cluster_is_a_clear_error() -> None:
+    profile = synthetic_gpt_profile(8, 16384, microbatch_size=1)
+    with pytest.raises(InfeasibleTemplateError, match="does not fit on any number of nodes"):
+        make_plan(
+            profile, ClusterSpec(8, 1, device_memory_bytes=16e9), fault_tolerance=0, global_batch_size=8
+        )
