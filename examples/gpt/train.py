@@ -34,12 +34,12 @@ DEFAULT_CONFIG = Path(__file__).with_name("config.yaml")
 class GPT(PipelineModule, L.LightningModule):
     """The GPT of ``model.py`` as a LightningModule: its layers, its loss, AdamW with warm-up."""
 
-    def __init__(self, model: dict[str, Any], optim: dict[str, Any], microbatch_size: int) -> None:
+    def __init__(self, model: dict[str, Any], optim: dict[str, Any]) -> None:
         super().__init__()
         self.save_hyperparameters()
         self.config = GPTConfig(**model)
-        # One micro-batch of inputs: what the strategy profiles each layer with before planning.
-        self.example_input_array = torch.zeros(microbatch_size, self.config.seq_len, dtype=torch.long)
+        # One sample of inputs: the strategy profiles each layer with a micro-batch of these before planning.
+        self.example_input_array = torch.zeros(1, self.config.seq_len, dtype=torch.long)
 
     def configure_layers(self) -> list[nn.Module]:
         return gpt_layers(self.config)
@@ -135,7 +135,6 @@ def main(argv: list[str] | None = None) -> None:
     model = GPT(
         OmegaConf.to_container(cfg.model),  # type: ignore[arg-type]
         OmegaConf.to_container(cfg.optim),  # type: ignore[arg-type]
-        cfg.strategy.microbatch_size,
     )
     trainer = L.Trainer(
         accelerator="cpu",

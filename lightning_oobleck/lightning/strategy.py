@@ -254,12 +254,14 @@ class OobleckStrategy(ParallelStrategy, PipelineExecutor):
             profile = ModelProfile.load(cfg.profile_path)
         else:
             example = module.example_input_array
-            if not isinstance(example, Tensor) or example.shape[0] != cfg.microbatch_size:
+            if not isinstance(example, Tensor) or example.dim() == 0 or example.shape[0] == 0:
                 raise ValueError(
                     "to plan, the strategy profiles every layer on one micro-batch: set "
-                    f"self.example_input_array to the inputs of {cfg.microbatch_size} samples in your "
-                    "module's __init__, or give OobleckStrategy(profile_path=..., layout=..., plan_path=...)"
+                    "self.example_input_array to the inputs of one or more samples in your module's "
+                    "__init__, or give OobleckStrategy(profile_path=..., layout=..., plan_path=...)"
                 )
+            # Profiles depend on shapes only: one sample, repeated to a micro-batch.
+            example = example[:1].expand(cfg.microbatch_size, *example.shape[1:]).clone()
             with self.precision_plugin.tensor_init_context():
                 profile = profile_layers(
                     module.configure_layers, example, self.root_device, seed=module.init_seed

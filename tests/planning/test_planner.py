@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 
 from lightning_oobleck.planning import ClusterSpec, Plan, PlanningError, make_plan, synthetic_gpt_profile
@@ -43,8 +44,6 @@ def test_predicted_time_matches_the_instantiation_model(plan13: Plan) -> None:
     distinct = list({t.num_nodes: t for t in templates}.values())
     model = IterationTimeModel(distinct, cost, 128, len(templates))
     counts = [sum(t.num_nodes == d.num_nodes for t in templates) for d in distinct]
-    import numpy as np
-
     assert plan13.iteration_time_s == pytest.approx(model(np.array(counts)))
 
 

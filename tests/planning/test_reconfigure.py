@@ -1,0 +1,191 @@
+"""Reconfiguration: the f+1 guarantee for every failure set on small clusters, random sets at 1,024 nodes.
+
+Every check goes through :func:`check_reconfiguration`, which applies the copy list to what the
+survivors held and asserts that every worker then holds exactly the layers its new stage needs.
+"""
+
+from __future__ import annotations
+
+import itertools
+import time
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from lightning_oobleck.planning import (
+    ClusterSpec,
+    Plan,
+    Reconfiguration,
+    ReconfigurationError,
+    after_failures,
+    after_joins,
+    make_plan,
+    synthetic_gpt_profile,
+)
+
+# Two small models: with 48 GB devices the first needs n0 = 1 node per pipeline, the second n0 = 2.
+_PROFILES = {1: synthetic_gpt_profile(8, 1024, 1024, 2), 2: synthetic_gpt_profile(8, 4096, 2048, 2)}
+
+
+def _plan(n0: int, nodes: int, f: int, gpus: int = 1) -> Plan:
+    plan = make_plan(_PROFILES[n0], ClusterSpec(nodes, gpus), fault_tolerance=f, global_batch_size=64)
+    assert plan.n0 == n0
+    return plan
+
+
+def check_reconfiguration(old: Plan, gone: set[int], result: Reconfiguration, added: int = 0) -> None:
+    """The properties the guarantee promises, checked on the new plan and its copies."""
+    new = result.plan
+    survivors = set(old.nodes) - gone
+    assert set(new.nodes) >= survivors and len(new.nodes) == len(set(new.nodes)) == len(survivors) + added
+    assert sum(p.microbatches for p in new.pipelines) == old.num_microbatches
+    assert all(p.microbatches >= 1 for p in new.pipelines)
+    assert all(p.template in old.templates for p in new.pipelines)  # no new template search
+    requested = new.extra["requested_fault_tolerance"]
+    possible = len(new.nodes) // new.n0 - 1
+    assert len(new.pipelines) >= min(requested, possible) + 1
+    assert new.fault_tolerance == min(requested, len(new.pipelines) - 1)
+    assert bool(new.warnings) == (new.fault_tolerance < requested)
+    held: dict[tuple[int, int], set[int]] = {}
+    for p in old.pipelines:
+        for si, stage in enumerate(p.stages):
+            if (worker := p.worker_of_stage(si))[0] in survivors:
+                held[worker] = set(stage.layers)
+    for c in result.copies:
+        assert c.from_node in survivors and c.layer in held[(c.from_node, c.from_device)]
+        held.setdefault((c.to_node, c.to_device), set()).add(c.layer)
+    for p in new.pipelines:
+        for si, stage in enumerate(p.stages):
+            assert set(stage.layers) <= held.get(p.worker_of_stage(si), set())
+    needed = sum(len(s.layers) for p in new.pipelines for s in p.stages)
+    kept = sum(
+        len(set(s.layers) & held_before)
+        for p in new.pipelines
+        for si, s in enumerate(p.stages)
+        if (held_before := _held(old, p.worker_of_stage(si), survivors))
+    )
+    assert len(result.copies) == needed - kept  # only what a worker lacks is copied
+
+
+def _held(plan: Plan, worker: tuple[int, int], survivors: set[int]) -> set[int]:
+    if worker[0] not in survivors:
+        return set()
+    try:
+        return set(plan.role(*worker).layers)
+    except KeyError:
+        return set()
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("n0", [1, 2])
+def test_every_failure_set_up_to_f_on_every_small_cluster(n0: int) -> None:
+    checked = 0
+    for f in range(4):
+        for nodes in range((f + 1) * n0, 17):
+            plan = _plan(n0, nodes, f)
+            assert len(plan.pipelines) >= f + 1 and plan.nodes == tuple(range(nodes))
+            for size in range(1, f + 1):
+                for failed in itertools.combinations(range(nodes), size):
+                    check_reconfiguration(plan, set(failed), after_failures(plan, failed))
+                    checked += 1
+    assert checked > 3000
+
+
+def test_a_lost_node_only_moves_layers_inside_its_pipeline() -> None:
+    plan = make_plan(
+        synthetic_gpt_profile(24, microbatch_size=4),
+        ClusterSpec(13, 1),
+        fault_tolerance=2,
+        global_batch_size=512,
+    )
+    victim = plan.pipelines[0].nodes[-1]
+    result = after_failures(plan, [victim])
+    touched = {c.to_node for c in result.copies}
+    assert touched <= set(plan.pipelines[0].nodes)
+    for p in plan.pipelines[1:]:
+        assert p.nodes in [q.nodes for q in result.plan.pipelines]
+
+
+def test_survivors_below_f_plus_one_n0_keep_the_largest_f_and_say_so() -> None:
+    plan = _plan(2, 8, 3)
+    result = after_failures(plan, [0, 2, 4])
+    check_reconfiguration(plan, {0, 2, 4}, result)
+    assert result.plan.fault_tolerance == 1 and len(result.plan.pipelines) == 2
+    assert "tolerates f=1 failure(s) instead of 3" in result.plan.warnings[0]
+
+
+def test_joining_nodes_get_fresh_ids_and_restore_the_guarantee() -> None:
+    plan = _plan(2, 8, 3)
+    shrunk = after_failures(plan, [0, 2, 4]).plan
+    grown = after_joins(shrunk, 3)
+    check_reconfiguration(shrunk, set(), grown, added=3)
+    assert set(grown.plan.nodes) - set(shrunk.nodes) == {8, 9, 10}
+    assert grown.plan.fault_tolerance == 3 and not grown.plan.warnings
+    again = after_joins(grown.plan, 1)
+    assert set(again.plan.nodes) - set(grown.plan.nodes) == {11}
+
+
+def test_unrecoverable_failures_say_how_to_resume() -> None:
+    plan = _plan(2, 8, 1)
+    with pytest.raises(ReconfigurationError, match=r"node id\(s\) \[42\] are not in the plan"):
+        after_failures(plan, [42])
+    with pytest.raises(
+        ReconfigurationError, match="every replica of layer 0 .* resume from the last checkpoint"
+    ):
+        after_failures(plan, [p.nodes[0] for p in plan.pipelines])
+    small = _plan(2, 4, 1)
+    with pytest.raises(ReconfigurationError, match="needs n0=2: no pipeline fits; resume"):
+        after_failures(
+            small, [small.pipelines[0].nodes[0], small.pipelines[1].nodes[1], small.pipelines[1].nodes[0]][:3]
+        )
+    with pytest.raises(ReconfigurationError, match="positive number of nodes"):
+        after_joins(plan, 0)
+
+
+@pytest.mark.timeout(120)
+def test_random_failure_sets_on_a_thousand_nodes() -> None:
+    profile = synthetic_gpt_profile(96, 4096, 2048, 1)
+    plan = make_plan(
+        profile, ClusterSpec(1024, 8, device_memory_bytes=80e9), fault_tolerance=4, global_batch_size=8192
+    )
+    assert len(plan.nodes) == 1024 and len(plan.pipelines) >= 5
+    rng = np.random.default_rng(0)
+    for _ in range(8):
+        failed = set(rng.choice(1024, size=int(rng.integers(1, 5)), replace=False).tolist())
+        started = time.perf_counter()
+        result = after_failures(plan, failed)
+        assert time.perf_counter() - started < 5.0
+        check_reconfiguration(plan, failed, result)
+
+
+@settings(max_examples=40, deadline=None)
+@given(
+    n0=st.sampled_from([1, 2]),
+    nodes=st.integers(4, 14),
+    f=st.integers(0, 2),
+    events=st.lists(st.one_of(st.integers(1, 3), st.integers(-2, -1)), min_size=1, max_size=4),
+    data=st.data(),
+)
+def test_sequences_of_failures_and_joins_keep_the_invariants(n0, nodes, f, events, data) -> None:
+    if nodes < (f + 1) * n0:
+        return
+    plan = _plan(n0, nodes, f)
+    for event in events:
+        if event > 0:
+            alive = sorted(plan.nodes)
+            failed = set(data.draw(st.lists(st.sampled_from(alive), min_size=1, max_size=event, unique=True)))
+            try:
+                result = after_failures(plan, failed)
+            except ReconfigurationError:
+                owners_lost = any(
+                    all(w[0] in failed for w in plan.layer_owners(layer)) for layer in range(plan.num_layers)
+                )
+                assert owners_lost or len(alive) - len(failed) < plan.n0
+                return
+            check_reconfiguration(plan, failed, result)
+        else:
+            result = after_joins(plan, -event)
+            check_reconfiguration(plan, set(), result, added=-event)
+        plan = result.plan

@@ -1,0 +1,169 @@
+"""A worker process for the in-process recovery tests: the tiny GPT in float64 under :class:`Recovery`.
+
+It trains ``--steps`` AdamW steps (gradients clipped with the committed norm) on the plan ``--plan``,
+with a WorkerAgent of the test's coordinator and the test's TCPStore, and injects its own faults for
+real (``--fault``, repeatable):
+
+* ``kill-forward:S`` / ``stop-forward:S``: SIGKILL / SIGSTOP itself in the middle of step S's 1F1B;
+* ``kill-commit:S``: SIGKILL itself after step S's commit completed, before its optimizer update;
+* ``lag-commit:S``: see step S's commit only late (after a failure notice): a survivor that must catch
+  up with a step the others applied;
+* ``kill-copy:G``: SIGKILL itself during the recovery to generation G, after the state copy and before
+  the switch barrier.
+
+It appends JSON lines to ``--out``: one ``applied`` record per optimizer step (with the global-batch
+sample indices the pipeline's first stage fed, on first stages), ``recovery`` records, and at the end
+``done``; the final parameters go to ``--out`` with suffix ``.pt``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import math
+import os
+import signal
+import sys
+import time
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+import torch
+
+sys.path[:0] = [str(Path(__file__).resolve().parents[2] / "examples"), str(Path(__file__).parents[1])]
+
+from execution.exec_workloads import CPU, SEED, global_batch, model, optimizer  # noqa: E402
+from gpt.model import gpt_loss  # noqa: E402
+
+from lightning_oobleck.execution import PeerFailure, PipelineEngine, ProcessGroups  # noqa: E402
+from lightning_oobleck.planning.plan import Plan  # noqa: E402
+from lightning_oobleck.recovery import EventLog, WorkerAgent  # noqa: E402
+from lightning_oobleck.recovery.runtime import Recovery  # noqa: E402
+
+MAX_NORM = 0.5
+GROUP_TIMEOUT = timedelta(seconds=20)
+
+
+def clip_and_step(opt: torch.optim.Optimizer, norm_sq: float) -> None:
+    """``clip_grad_norm_(max_norm=MAX_NORM)`` with the committed global norm, then the update."""
+    coef = min(1.0, MAX_NORM / (math.sqrt(norm_sq) + 1e-6))
+    for group in opt.param_groups:
+        for p in group["params"]:
+            if p.grad is not None:
+                p.grad.mul_(coef)
+    opt.step()
+
+
+class FaultyRecovery(Recovery):
+    """:class:`Recovery` with the test's fault points (real signals to this very process)."""
+
+    def __init__(self, *args: Any, faults: list[tuple[str, int]], report: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.faults = faults
+        self.report = report
+
+    def fault(self, kind: str, at: int) -> bool:
+        return (kind, at) in self.faults
+
+    def _wait_commit(self, work: Any) -> None:
+        if self.fault("lag-commit", self.ledger.applied):
+            deadline = time.monotonic() + 10
+            while not self.agent.abort.is_set() and time.monotonic() < deadline:
+                time.sleep(0.01)
+            self.report("lagged", step=self.ledger.applied)
+            raise PeerFailure("test: this worker saw the commit only after the failure notice")
+        super()._wait_commit(work)
+
+    def _barrier(self, groups: ProcessGroups) -> None:
+        if self.fault("kill-copy", groups.generation):
+            os.kill(os.getpid(), signal.SIGKILL)
+        super()._barrier(groups)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--coordinator", required=True)
+    parser.add_argument("--store-port", type=int, required=True)
+    parser.add_argument("--node", type=int, required=True)
+    parser.add_argument("--plan", required=True)
+    parser.add_argument("--steps", type=int, required=True)
+    parser.add_argument("--out", required=True)
+    parser.add_argument("--events", required=True)
+    parser.add_argument("--fault", action="append", default=[])
+    args = parser.parse_args()
+    faults = [(kind, int(at)) for kind, at in (f.split(":") for f in args.fault)]
+    out = open(args.out, "a", buffering=1)  # noqa: SIM115 (the process ends with os._exit)
+
+    def report(kind: str, **fields: Any) -> None:
+        out.write(json.dumps({"kind": kind, "t": time.time(), **fields}) + "\n")
+
+    worker = (args.node, 0)
+    plan = Plan.load(args.plan)
+    store = torch.distributed.TCPStore("127.0.0.1", args.store_port, is_master=False, timeout=GROUP_TIMEOUT)
+    agent = WorkerAgent(worker, args.coordinator, connect_timeout=60.0).start()
+    membership = agent.agree(-1, timeout=120.0)
+    groups = ProcessGroups(plan, worker, store, membership.generation, timeout=GROUP_TIMEOUT)
+    engine = PipelineEngine(model, gpt_loss, groups, CPU, seed=SEED, abort=agent.abort, dtype=torch.float64)
+    pending: dict[str, Any] = {}
+
+    def apply_update(opt: torch.optim.Optimizer, norm_sq: float) -> None:
+        report("applied", step=recovery.ledger.applied, generation=recovery.generation, **pending)
+        if recovery.fault("kill-commit", recovery.ledger.applied):
+            os.kill(os.getpid(), signal.SIGKILL)
+        clip_and_step(opt, norm_sq)
+
+    def batch(step: int) -> tuple[torch.Tensor, torch.Tensor]:
+        e = recovery.engine
+        pending.clear()
+        if e.is_first_stage:
+            pending["samples"] = list(range(plan.global_batch_size))[e.batch_slice]
+        forwards[0] = 0
+        return global_batch(step, plan.global_batch_size)
+
+    forwards = [0]
+
+    def in_forward(_module: torch.nn.Module, _args: Any) -> None:
+        forwards[0] += 1
+        step = recovery.ledger.applied
+        if forwards[0] == 3:  # a few layers into the step's 1F1B
+            if recovery.fault("kill-forward", step):
+                os.kill(os.getpid(), signal.SIGKILL)
+            if recovery.fault("stop-forward", step):
+                os.kill(os.getpid(), signal.SIGSTOP)
+
+    torch.nn.modules.module.register_module_forward_pre_hook(in_forward)
+    recovery = FaultyRecovery(
+        agent,
+        store,
+        engine,
+        optimizer(engine.module.parameters()),
+        model,
+        lambda module: optimizer(module.parameters()),
+        apply_update,
+        seed=SEED,
+        dtype=torch.float64,
+        group_timeout=GROUP_TIMEOUT,
+        events=EventLog(args.events),
+        faults=faults,
+        report=report,
+    )
+    generation = recovery.generation
+    while recovery.ledger.applied < args.steps:
+        recovery.train_step(batch)
+        if recovery.generation != generation:
+            generation = recovery.generation
+            report("recovered", generation=generation, plan=recovery.plan.to_dict()["pipelines"])
+    with contextlib.suppress(PeerFailure):  # peers may still be finishing the last commit
+        recovery._barrier(recovery.engine.groups)
+    torch.save({n: p.detach().clone() for n, p in recovery.module.named_parameters()}, args.out + ".pt")
+    report("done", step=recovery.ledger.applied, generation=recovery.generation)
+    out.flush()
+    agent.close(finished=True)
+    recovery.engine.groups.destroy()
+    os._exit(0)
+
+
+if __name__ == "__main__":
+    main()
