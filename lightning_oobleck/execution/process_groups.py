@@ -13,6 +13,7 @@ from datetime import timedelta
 
 import torch
 import torch.distributed as dist
+import torch.distributed.distributed_c10d as c10d
 
 from lightning_oobleck.execution.comm import CommWaiter
 from lightning_oobleck.planning.plan import Plan
@@ -105,6 +106,39 @@ class ProcessGroups:
     @property
     def destroyed(self) -> bool:
         return self._destroyed
+
+    def abandon(self) -> list[dist.ProcessGroup]:
+        """Leave this generation at once, without waiting for its pending operations (after a failure).
+
+        gloo's shutdown (in :meth:`destroy`, and in a group's destructor) waits for every pending
+        operation, and one blocked on a live peer that is itself stuck ends only at the group timeout.
+        This unregisters the groups without shutting them down and returns them: the caller must keep
+        them referenced for the rest of the process (their operations fail or time out in the
+        background). Uses torch.distributed's process-group registry directly (no public API does this).
+        """
+        if self._destroyed:
+            return []
+        self._destroyed = True
+        self.waiter.close()
+        if not dist.is_initialized():
+            return []
+        kept = [c10d._get_default_group(), *self._grad_groups.values()]
+        self._grad_groups.clear()
+        c10d._update_default_pg(None)
+        world = c10d._world
+        for registry in (
+            world.pg_map,
+            world.pg_names,
+            world.pg_group_ranks,
+            world.pg_backend_config,
+            world.pg_to_tag,
+            world.tags_to_pg,
+            world.pg_coalesce_state,
+        ):
+            registry.clear()
+        c10d._unregister_all_process_groups()
+        world.group_count = 0
+        return kept
 
     def destroy(self) -> None:
         """Tear down every group of this generation (idempotent); a new generation may follow."""

@@ -11,6 +11,11 @@ How a training step maps onto Lightning's automatic optimisation (which runs ``t
 3. :meth:`OobleckStrategy.backward` fires ``on_before_backward``, moves the gradients back into ``.grad``
    and fires ``on_after_backward``; ``on_before_optimizer_step``, clipping (by the global norm, each layer
    counted once) and the LR schedulers then run exactly as with DDP.
+
+The plan's :class:`~lightning_oobleck.execution.ProcessGroups` own torch's default group, so Lightning's own
+collectives (the SIGTERM flag it broadcasts every batch, ``self.log(sync_dist=True)``, barriers) run on the
+current generation's workers. Checkpoints are sharded (:mod:`lightning_oobleck.lightning.checkpoint`): each
+layer once, loadable into any other layout.
 """
 
 from __future__ import annotations

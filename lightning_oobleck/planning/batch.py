@@ -46,32 +46,54 @@ def _check(num_pipelines: int, total: int) -> None:
 def distribute_microbatches(templates: Sequence[PipelineTemplate], total: int) -> list[int]:
     """Integer micro-batches per pipeline minimising the slowest pipeline (``scipy.optimize.milp``).
 
-    Variables ``m_0..m_{k-1}`` (integers ``>= 1``) and ``z``; minimise ``z`` subject to
-    ``a_p + (m_p - 1) c_p <= z`` and ``sum_p m_p = total``, solved to a zero optimality gap. The
-    optimum of :func:`min_slowest_time` bounds ``z`` from above, which spares HiGHS most of its
+    Pipelines of the same template are grouped into kinds, so the program stays small at any cluster
+    size. For kind ``i`` with ``x_i`` pipelines: ``t_i`` micro-batches in all and at most ``h_i`` per
+    pipeline (integers). Minimise ``z`` subject to
+
+        a_i + (h_i - 1) c_i <= z,    x_i <= t_i <= x_i h_i,    sum_i t_i = total
+
+    which is exact: ``t_i`` splits over ``x_i`` pipelines with 1 to ``h_i`` each iff
+    ``x_i <= t_i <= x_i h_i``, and the even split used below does so. Solved to a zero optimality gap;
+    the optimum of :func:`min_slowest_time` bounds ``z`` from above, which spares HiGHS most of its
     branching without changing the optimum.
     """
-    k = len(templates)
-    _check(k, total)
-    a = np.array([sum(t.stage_times_s) for t in templates])
-    c = np.array([max(t.stage_times_s) for t in templates])
-    bound = min_slowest_time(a, c, np.ones(k, dtype=np.int64), total)
-    objective = np.zeros(k + 1)
-    objective[-1] = 1.0
-    slowest = np.hstack([np.diag(c), -np.ones((k, 1))])  # c_p m_p - z <= c_p - a_p
-    batch = np.hstack([np.ones((1, k)), np.zeros((1, 1))])
+    _check(len(templates), total)
+    kinds = list(dict.fromkeys(templates))
+    x = np.array([sum(t == kind for t in templates) for kind in kinds], dtype=np.float64)
+    a = np.array([sum(t.stage_times_s) for t in kinds])
+    c = np.array([max(t.stage_times_s) for t in kinds])
+    n = len(kinds)
+    bound = min_slowest_time(a, c, x.astype(np.int64), total)
+    # Variables: h_0..h_{n-1}, t_0..t_{n-1}, z.
+    eye, zeros = np.eye(n), np.zeros((n, n))
+    slowest = np.hstack([np.diag(c), zeros, -np.ones((n, 1))])  # c_i h_i - z <= c_i - a_i
+    capacity = np.hstack([-np.diag(x), eye, np.zeros((n, 1))])  # t_i - x_i h_i <= 0
+    batch = np.r_[np.zeros(n), np.ones(n), 0.0][None, :]
     result = milp(
-        objective,
-        constraints=[LinearConstraint(slowest, -np.inf, c - a), LinearConstraint(batch, total, total)],
-        integrality=np.r_[np.ones(k), 0],
-        bounds=Bounds(np.r_[np.ones(k), 0.0], np.r_[np.full(k, total), bound * (1 + _EPS) + _EPS]),
+        np.r_[np.zeros(2 * n), 1.0],
+        constraints=[
+            LinearConstraint(slowest, -np.inf, c - a),
+            LinearConstraint(capacity, -np.inf, 0.0),
+            LinearConstraint(batch, total, total),
+        ],
+        integrality=np.r_[np.ones(2 * n), 0],
+        bounds=Bounds(
+            np.r_[np.ones(n), x, 0.0], np.r_[np.full(n, total), np.full(n, total), bound * (1 + _EPS) + _EPS]
+        ),
         options={"mip_rel_gap": 0.0},
     )
     if not result.success:
         raise BatchError(f"the batch-distribution program failed: {result.message}")
-    counts = [round(x) for x in result.x[:k]]
-    if sum(counts) != total:
-        raise BatchError(f"the batch-distribution program returned {sum(counts)} micro-batches, not {total}")
+    per_kind = {kind: round(t) for kind, t in zip(kinds, result.x[n : 2 * n], strict=True)}
+    if sum(per_kind.values()) != total:
+        raise BatchError(
+            f"the batch-distribution program returned {sum(per_kind.values())} micro-batches, not {total}"
+        )
+    counts, seen = [], dict.fromkeys(kinds, 0)
+    for t, pipelines in zip(templates, x[[kinds.index(t) for t in templates]], strict=True):
+        share, extra = divmod(per_kind[t], int(pipelines))
+        counts.append(share + (seen[t] < extra))
+        seen[t] += 1
     return counts
 
 

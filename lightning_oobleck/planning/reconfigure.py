@@ -197,16 +197,16 @@ def after_failures(plan: Plan, failed: Iterable[int]) -> Reconfiguration:
     if unknown := sorted(failed - known):
         raise ReconfigurationError(f"node id(s) {unknown} are not in the plan; its nodes are {sorted(known)}")
     alive = known - failed
-    for layer in range(plan.num_layers):
-        if not any(node in alive for node, _ in plan.layer_owners(layer)):
-            raise ReconfigurationError(
-                f"every replica of layer {layer} was on a failed node: training cannot continue in place; "
-                "resume from the last checkpoint (Trainer.fit(ckpt_path=...)) on the remaining nodes"
-            )
     if len(alive) < plan.n0:
         raise ReconfigurationError(
             f"only {len(alive)} node(s) survive but one pipeline needs n0={plan.n0}: no pipeline fits; "
             f"resume from the last checkpoint (Trainer.fit(ckpt_path=...)) on at least {plan.n0} nodes"
+        )
+    covered = {layer for (node, _), layers in _holdings(plan).items() if node in alive for layer in layers}
+    if lost := sorted(set(range(plan.num_layers)) - covered):
+        raise ReconfigurationError(
+            f"every replica of layer {lost[0]} was on a failed node: training cannot continue in place; "
+            "resume from the last checkpoint (Trainer.fit(ckpt_path=...)) on the remaining nodes"
         )
     layout = _Layout(plan, alive)
     groups = [[n for n in p.nodes if n in alive] for p in plan.pipelines]

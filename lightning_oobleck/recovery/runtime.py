@@ -148,6 +148,8 @@ class Recovery:
         self._build_layers = partial(build_stage, layers, device=engine.device, seed=seed, dtype=dtype)
         self._copied: _Copied | None = None
         self._pending_groups: ProcessGroups | None = None
+        self._abandoned: list[dist.ProcessGroup] = []
+        """Groups of failed generations, kept referenced: their destructor would wait like a shutdown."""
 
     # ------------------------------------------------------------------ the step protocol
 
@@ -268,9 +270,10 @@ class Recovery:
             raise PeerFailure(f"building the groups of generation {generation} failed: {e}") from e
 
     def _drop_groups(self) -> None:
-        self.engine.groups.destroy()
+        """Leave the failed generation(s) without waiting for operations stuck on silent peers."""
+        self._abandoned += self.engine.groups.abandon()
         if self._pending_groups is not None:
-            self._pending_groups.destroy()
+            self._abandoned += self._pending_groups.abandon()
             self._pending_groups = None
 
     def _exchange(self, membership: Membership) -> dict[tuple[int, int], dict[str, Any]]:

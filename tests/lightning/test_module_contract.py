@@ -58,7 +58,8 @@ class NoLoss(PipelineModule, L.LightningModule):
 def test_missing_loss_hook_and_unusual_batches_explain_the_fix() -> None:
     model = NoLoss()
     model.configure_model()
-    with pytest.raises(MissingPipelineHookError, match=r"(?s)must implement compute_loss\(output, target\).*class"):
+    hint = r"(?s)implement compute_loss\(output, target\).*class"
+    with pytest.raises(MissingPipelineHookError, match=hint):
         model.pipeline_loss((torch.randn(2, 4), torch.tensor([0, 1])))
     with pytest.raises(TypeError, match=r"override split_batch\(self, batch\) -> \(inputs, targets\)"):
         model.pipeline_loss({"x": torch.randn(2, 4)})

@@ -112,6 +112,14 @@ def test_fit_equals_single_process_training(name: str, reference: tuple, tmp_pat
             assert bool(row[key]) == bool(value), (key, row, ref_row)
             if value:
                 assert float(row[key]) == pytest.approx(float(value), rel=0, abs=1e-10), (key, row, ref_row)
+    # A later validate() runs forward-only pipelines on the trained weights, in new processes.
+    validated = trainer.validate(model, val_loader(), verbose=False)[0]["val_loss"]
+    single = TinyNet()
+    single.load_state_dict(ref_weights)
+    expected = L.Trainer(accelerator="cpu", devices=1, precision="64-true", logger=False).validate(
+        single, val_loader(), verbose=False
+    )[0]["val_loss"]
+    assert validated == pytest.approx(expected, rel=0, abs=1e-10)
     records = recorder.read()
     assert sorted(records) == [0, 1, 2, 3]
     for rank, record in records.items():

@@ -134,3 +134,13 @@ def test_errors_inside_the_workers_reach_the_caller_with_the_fix() -> None:
         trainer(2, strategy(layout=[[0, 6], [0, 6]]), accumulate_grad_batches=2).fit(
             TinyNet(), train_loader()
         )
+
+
+def test_batch_sizes_default_to_the_loaders_batch_and_two_microbatches_per_process() -> None:
+    config = OobleckConfig().with_batch(loader_batch_size=48, num_workers=4)
+    assert (config.global_batch_size, config.microbatch_size) == (48, 6)
+    assert OobleckConfig(microbatch_size=4).with_batch(48, 4).microbatch_size == 4
+    assert OobleckConfig(global_batch_size=7).with_batch(48, 4).microbatch_size == 1
+    hint = r"found no training DataLoader batch_size .*OobleckStrategy\(global_batch_size=64\)"
+    with pytest.raises(ValueError, match=hint):
+        OobleckConfig().with_batch(None, 4)

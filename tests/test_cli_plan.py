@@ -1,0 +1,131 @@
+"""``oobleck plan`` / ``oobleck replan``: JSON schema, the issue's acceptance checks, one-line errors."""
+
+from __future__ import annotations
+
+import itertools
+import json
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from lightning_oobleck.cli import main
+
+PLAN13 = ["plan", "--layers", "24", "--nodes", "13", "--gpus-per-node", "1", "--fault-tolerance", "2"]
+PLAN13 += ["--global-batch", "512", "--microbatch", "4"]
+
+
+def _run(argv: list[str], capsys) -> tuple[int, dict | str, str]:
+    code = main(argv)
+    out, err = capsys.readouterr()
+    return code, (json.loads(out) if "--json" in argv and code == 0 else out), err
+
+
+@pytest.fixture
+def plan13(tmp_path, capsys) -> Path:
+    code, data, _ = _run([*PLAN13, "--json"], capsys)
+    assert code == 0
+    path = tmp_path / "plan.json"
+    path.write_text(json.dumps(data))
+    return path
+
+
+def test_plan_json_uses_all_13_nodes_in_at_least_3_pipelines(plan13: Path) -> None:
+    data = json.loads(plan13.read_text())
+    assert data["fault_tolerance"] == 2 and data["n0"] >= 1
+    assert sorted(n for p in data["pipelines"] for n in p["nodes"]) == list(range(13))
+    assert len(data["pipelines"]) >= 3
+    assert sum(p["microbatches"] for p in data["pipelines"]) == 128
+    for t in data["templates"]:
+        stages = t["stages"]
+        assert stages[0]["layers"][0] == 0 and stages[-1]["layers"][1] == 24
+        assert all(a["layers"][1] == b["layers"][0] for a, b in itertools.pairwise(stages))
+        assert all(0 <= s["node"] < t["nodes"] for s in stages) and t["iteration_time_s"] > 0
+    assert {p["template_nodes"] for p in data["pipelines"]} <= {t["nodes"] for t in data["templates"]}
+    assert data["iteration_time_s"] > 0 and data["planning_s"] > 0
+
+
+def test_replan_after_any_two_failures_keeps_every_layer_sourced(plan13: Path, capsys) -> None:
+    before = json.loads(plan13.read_text())
+    holders = {}
+    for p in before["pipelines"]:
+        template = next(t for t in before["templates"] if t["nodes"] == p["template_nodes"])
+        for s in template["stages"]:
+            for layer in range(*s["layers"]):
+                holders.setdefault(p["nodes"][s["node"]], set()).add(layer)
+    for failed in itertools.combinations(range(13), 2):
+        code, data, err = _run(
+            ["replan", "--plan", str(plan13), "--fail", ",".join(map(str, failed)), "--json"], capsys
+        )
+        assert code == 0, err
+        nodes = sorted(n for p in data["pipelines"] for n in p["nodes"])
+        assert nodes == sorted(set(range(13)) - set(failed)) and len(data["pipelines"]) >= 3
+        held = {n: set(layers) for n, layers in holders.items() if n not in failed}
+        for c in data["copies"]:
+            assert c["from_node"] not in failed and c["layer"] in holders[c["from_node"]]
+            held.setdefault(c["to_node"], set()).add(c["layer"])
+        for p in data["pipelines"]:
+            template = next(t for t in data["templates"] if t["nodes"] == p["template_nodes"])
+            for s in template["stages"]:
+                assert set(range(*s["layers"])) <= held[p["nodes"][s["node"]]]
+
+
+def test_replan_add_gives_fresh_ids(plan13: Path, capsys) -> None:
+    code, data, _ = _run(["replan", "--plan", str(plan13), "--add", "2", "--json"], capsys)
+    assert code == 0
+    assert sorted(n for p in data["pipelines"] for n in p["nodes"]) == list(range(15))
+    assert {c["to_node"] for c in data["copies"]} >= {13, 14}
+
+
+def test_tables_without_json(plan13: Path, capsys) -> None:
+    code, out, _ = _run(PLAN13, capsys)
+    assert code == 0 and "Pipeline templates" in out and "Pipelines" in out and "n0=" in out
+    code, out, _ = _run(["replan", "--plan", str(plan13), "--fail", "3,7"], capsys)
+    assert code == 0 and "Layer copies" in out
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["--fault-tolerance", "9"], "f=9 needs 10 pipelines"),
+        (["--global-batch", "510"], "not a multiple of the micro-batch 4"),
+        (["--global-batch", "8"], "2 micro-batches cannot feed the 3 pipelines"),
+        (["--set", "cluster.device_memory_bytes=1e9"], "does not fit on any number of nodes"),
+        (["--set", "cluster.num_nodez=3"], "unknown key 'cluster.num_nodez'"),
+    ],
+)
+def test_bad_plan_input_is_one_line_exit_2(argv: list[str], message: str, capsys) -> None:
+    code, _, err = _run([*PLAN13, *argv], capsys)
+    assert code == 2 and message in err and err.count("\n") == 1
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["--fail", "3,99"], "node id(s) [99] are not in the plan"),
+        (["--fail", "3,x"], "--fail takes comma-separated node ids"),
+        (["--fail", ",".join(map(str, range(12)))], "no pipeline fits"),
+    ],
+)
+def test_bad_replan_input_is_one_line_exit_2(plan13: Path, argv: list[str], message: str, capsys) -> None:
+    code, _, err = _run(["replan", "--plan", str(plan13), *argv], capsys)
+    assert code == 2 and message in err and err.count("\n") == 1
+
+
+def test_missing_or_foreign_plan_file(tmp_path, capsys) -> None:
+    code, _, err = _run(["replan", "--plan", str(tmp_path / "none.json"), "--add", "1"], capsys)
+    assert code == 2 and "not found" in err
+    (tmp_path / "x.json").write_text('{"gpus_per_node": 1}')
+    code, _, err = _run(["replan", "--plan", str(tmp_path / "x.json"), "--add", "1"], capsys)
+    assert code == 2 and "is not a plan" in err
+
+
+@pytest.mark.timeout(60)
+def test_installed_console_script() -> None:
+    script = shutil.which("oobleck", path=str(Path(sys.executable).parent))
+    assert script is not None
+    done = subprocess.run([script, *PLAN13, "--json"], capture_output=True, text=True, timeout=60, check=True)
+    data = json.loads(done.stdout)
+    assert len(data["pipelines"]) >= 3 and sum(len(p["nodes"]) for p in data["pipelines"]) == 13
