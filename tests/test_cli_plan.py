@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 
 from lightning_oobleck.cli import main
+from lightning_oobleck.planning import synthetic_gpt_profile
 
 PLAN13 = ["plan", "--layers", "24", "--nodes", "13", "--gpus-per-node", "1", "--fault-tolerance", "2"]
 PLAN13 += ["--global-batch", "512", "--microbatch", "4"]
@@ -112,6 +113,24 @@ def test_bad_plan_input_is_one_line_exit_2(argv: list[str], message: str, capsys
 def test_bad_replan_input_is_one_line_exit_2(plan13: Path, argv: list[str], message: str, capsys) -> None:
     code, _, err = _run(["replan", "--plan", str(plan13), *argv], capsys)
     assert code == 2 and message in err and err.count("\n") == 1
+
+
+def test_measured_profile_file(tmp_path, capsys) -> None:
+    synthetic_gpt_profile(12, 1024, 1024, 2).save(tmp_path / "profile.json")
+    argv = [
+        "plan",
+        "--profile",
+        str(tmp_path / "profile.json"),
+        "--nodes",
+        "6",
+        "--microbatch",
+        "2",
+        "--json",
+    ]
+    code, data, _ = _run(argv, capsys)
+    assert code == 0 and data["num_layers"] == 12 and data["extra"]["profile"]["microbatch_size"] == 2
+    code, _, err = _run([*argv[:-1], "--layers", "24"], capsys)
+    assert code == 2 and "--layers 24 but the profile has 12 layers" in err
 
 
 def test_missing_or_foreign_plan_file(tmp_path, capsys) -> None:

@@ -157,10 +157,11 @@ def _pipelines_table(plan: Plan) -> Table:
     return table
 
 
-def _copies_table(result: Reconfiguration) -> Table:
-    table = Table(title=f"Layer copies ({len(result.copies)})")
+def _copies_table(result: Reconfiguration, shown: int = 20) -> Table:
+    """The first ``shown`` copies; the JSON output has them all."""
+    table = Table(title=f"Layer copies ({len(result.copies)}, first {min(shown, len(result.copies))} shown)")
     for name in ("layer", "to node:gpu", "from node:gpu"):
         table.add_column(name, justify="right")
-    for c in result.copies:
+    for c in result.copies[:shown]:
         table.add_row(str(c.layer), f"{c.to_node}:{c.to_device}", f"{c.from_node}:{c.from_device}")
     return table

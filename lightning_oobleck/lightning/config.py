@@ -9,9 +9,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 from omegaconf import DictConfig, OmegaConf
+
+StartMethod = Literal["forkserver", "spawn", "fork"]
+START_METHODS: tuple[str, ...] = ("forkserver", "spawn", "fork")
 
 
 @dataclass
@@ -40,8 +43,9 @@ class OobleckConfig:
     """A worker silent for this long is declared dead (used by recovery)."""
     plan_timeout_s: float = 300.0
     """How long workers wait for rank 0 to publish the plan (profiling and planning included)."""
-    start_method: str = "spawn"
-    """How the local launcher starts workers: ``spawn`` (needs the ``__main__`` guard) or ``fork``."""
+    start_method: str = "forkserver"
+    """How the local launcher starts workers: ``forkserver`` or ``spawn`` (both need the ``__main__``
+    guard), or ``fork`` (notebooks; unsafe once torch ran ops or threads in the calling process)."""
     planner: dict[str, Any] = field(default_factory=dict)
     """Extra keyword arguments for the planner's ``make_plan``."""
     profile_path: str | None = None
@@ -70,8 +74,10 @@ class OobleckConfig:
             raise ValueError(f"fault_tolerance must be >= 0, got {self.fault_tolerance}")
         if self.devices_per_node < 1:
             raise ValueError(f"devices_per_node must be >= 1, got {self.devices_per_node}")
-        if self.start_method not in ("spawn", "fork"):
-            raise ValueError(f"start_method must be 'spawn' or 'fork', got {self.start_method!r}")
+        if self.start_method not in START_METHODS:
+            raise ValueError(
+                f"start_method must be one of {', '.join(START_METHODS)}, got {self.start_method!r}"
+            )
         if self.microbatches is not None and self.layout is None:
             raise ValueError("microbatches is only meaningful with layout=[[...], ...]")
         if sum(x is not None for x in (self.layout, self.plan_path)) > 1:

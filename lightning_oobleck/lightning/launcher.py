@@ -6,8 +6,10 @@ Lightning's launchers make the main process rank 0 (``ddp``) or kill every child
 * the calling process is a **supervisor**, never a worker: it hosts the rendezvous ``TCPStore`` server
   and the :class:`SupervisorService` objects (the recovery coordinator), which therefore outlive every
   worker;
-* workers are started with ``spawn`` (like ``ddp_spawn``) or ``fork`` (no Lightning re-import per
-  worker: much faster start on CPU; notebooks): the caller's ``trainer.fit`` returns in the supervisor
+* workers are started with ``forkserver`` (default: forked from a single-threaded server process that has
+  imported torch and Lightning once, so starting a worker costs no re-import and never inherits a lock
+  held by another thread or an OpenMP pool), ``spawn`` (like ``ddp_spawn``) or ``fork`` (notebooks; unsafe
+  once the caller has run torch ops or started threads): the caller's ``trainer.fit`` returns in the supervisor
   with the survivors' state and weights, which a script re-run (``ddp``) cannot give, and the supervisor
   never runs training code that could crash it;
 * workers are started *before* the store and the services, and wait for their environment on a pipe:
@@ -54,6 +56,7 @@ from lightning.pytorch.strategies.launchers.launcher import _Launcher
 from lightning.pytorch.strategies.launchers.multiprocessing import _GlobalStateSnapshot
 from lightning.pytorch.trainer.states import TrainerFn
 
+from lightning_oobleck.lightning.config import START_METHODS, StartMethod
 from lightning_oobleck.lightning.environment import local_worker_env
 from lightning_oobleck.lightning.results import (
     collect_layers,
@@ -73,6 +76,9 @@ log = logging.getLogger(__name__)
 _PR_SET_PDEATHSIG = 1
 _KILL_JOIN_TIMEOUT_S = 10.0
 _RELEASE_TIMEOUT_S = 300.0
+
+_FORKSERVER_PRELOAD = ("torch", "torch.distributed", "lightning.pytorch", "lightning_oobleck.lightning")
+"""Imported once by the fork server, so that forked workers start without importing them again."""
 """How long a started worker waits for the supervisor's store and services to come up."""
 _MAX_WAIT_S = 1.0
 """Longest single wait on worker sentinels, so that deadlines are checked at least this often."""
@@ -197,8 +203,9 @@ class OobleckLauncher(_Launcher):
     Args:
         num_processes: workers to start.
         devices_per_node: devices per failure domain; worker ``r`` is device ``r % G`` of node ``r // G``.
-        start_method: ``"spawn"`` (default, needs the ``if __name__ == "__main__"`` guard and picklable
-            arguments) or ``"fork"`` (interactive sessions; no CUDA before launching).
+        start_method: ``"forkserver"`` (default) or ``"spawn"``, both needing the
+            ``if __name__ == "__main__"`` guard and picklable arguments, or ``"fork"`` (interactive
+            sessions; no CUDA, no torch threads before launching).
         services: started in the supervisor before the workers (append to :attr:`services` until launch).
         host: address the store listens on and workers connect to.
         timeout_s: bound on the whole launch; ``None`` lets training run as long as it needs.
@@ -211,7 +218,7 @@ class OobleckLauncher(_Launcher):
         num_processes: int,
         *,
         devices_per_node: int = 1,
-        start_method: Literal["spawn", "fork"] = "spawn",
+        start_method: StartMethod = "forkserver",
         services: Sequence[SupervisorService] = (),
         host: str = "127.0.0.1",
         timeout_s: float | None = None,
@@ -224,8 +231,8 @@ class OobleckLauncher(_Launcher):
                 f"num_processes={num_processes} is not a whole number of nodes of devices_per_node="
                 f"{devices_per_node}: choose devices_per_node dividing the number of processes"
             )
-        if start_method not in ("spawn", "fork"):
-            raise ValueError(f"start_method must be 'spawn' or 'fork', got {start_method!r}")
+        if start_method not in START_METHODS:
+            raise ValueError(f"start_method must be one of {', '.join(START_METHODS)}, got {start_method!r}")
         self.num_processes = num_processes
         self.devices_per_node = devices_per_node
         self.start_method = start_method
@@ -248,7 +255,7 @@ class OobleckLauncher(_Launcher):
         metrics and best checkpoint path, and (when fitting) the model weights merged from the finished
         workers. Raises :class:`LaunchError` if no worker finished, ``TimeoutError`` past ``timeout_s``.
         """
-        if self.start_method == "spawn":
+        if self.start_method != "fork":
             _check_missing_main_guard()
         else:
             _check_bad_cuda_fork()
@@ -287,7 +294,9 @@ class OobleckLauncher(_Launcher):
     ) -> dict[int, Connection]:
         """Start every worker, blocked until :meth:`_release_workers` sends its environment."""
         context = multiprocessing.get_context(self.start_method)
-        spawned = self.start_method == "spawn"
+        if self.start_method == "forkserver":
+            context.set_forkserver_preload(list(_FORKSERVER_PRELOAD))
+        spawned = self.start_method != "fork"  # arguments travel pickled
         global_states = _GlobalStateSnapshot.capture() if spawned else None
         self.procs = {}
         env_pipes: dict[int, Connection] = {}
@@ -409,8 +418,11 @@ def _die_with_supervisor(supervisor_pid: int) -> None:
         libc = ctypes.CDLL(None, use_errno=True)
         if libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0) != 0:
             raise OSError(ctypes.get_errno(), "prctl(PR_SET_PDEATHSIG) failed")
-    if os.getppid() != supervisor_pid:  # the supervisor died before the prctl took effect
-        os._exit(1)
+    # The parent is the supervisor (fork, spawn) or the fork server, which exits with the supervisor.
+    with contextlib.suppress(ProcessLookupError):
+        os.kill(supervisor_pid, 0)
+        return
+    os._exit(1)  # the supervisor died before the prctl took effect
 
 
 def _report(exitcodes: dict[int, int], stuck: list[int], stuck_reason: str, workdir: Path) -> LaunchReport:

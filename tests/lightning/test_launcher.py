@@ -91,7 +91,7 @@ def sleep_forever() -> None:
 @pytest.mark.timeout(60)
 def test_workers_get_positions_from_the_supervisor_store():
     recorder = ExitRecorder()
-    launcher = OobleckLauncher(4, devices_per_node=2, start_method="fork", services=[recorder], timeout_s=40)
+    launcher = OobleckLauncher(4, devices_per_node=2, start_method="forkserver", services=[recorder], timeout_s=40)
     positions: dict[int, str] = {}
 
     class ReadPositions(ExitRecorder):
@@ -113,7 +113,7 @@ def test_forked_workers_never_hang_connecting_to_the_store():
     # Forking while the store's server thread ran once deadlocked a worker's TCPStore client (under load,
     # a few launches in 30); workers are now forked before the store starts.
     for _ in range(15):
-        launcher = OobleckLauncher(4, start_method="fork", timeout_s=20, finish_grace_s=5)
+        launcher = OobleckLauncher(4, start_method="forkserver", timeout_s=20, finish_grace_s=5)
         assert launcher.launch(report_position) == 0
         assert launcher.last_report is not None and not launcher.last_report.lost
 
@@ -122,7 +122,7 @@ def test_forked_workers_never_hang_connecting_to_the_store():
 @pytest.mark.parametrize("victim", [0, 2])
 def test_sigkilled_worker_leaves_the_others_running(victim: int):
     recorder = ExitRecorder()
-    launcher = OobleckLauncher(3, start_method="fork", services=[recorder], timeout_s=40)
+    launcher = OobleckLauncher(3, start_method="forkserver", services=[recorder], timeout_s=40)
     value = launcher.launch(victim_dies, victim, "SIGKILL")
     survivors = tuple(r for r in range(3) if r != victim)
     assert value == survivors[0]  # the lowest finished rank's return value
@@ -136,7 +136,7 @@ def test_sigkilled_worker_leaves_the_others_running(victim: int):
 
 @pytest.mark.timeout(60)
 def test_stopped_worker_is_killed_once_the_others_finished():
-    launcher = OobleckLauncher(3, start_method="fork", timeout_s=40, finish_grace_s=1.0)
+    launcher = OobleckLauncher(3, start_method="forkserver", timeout_s=40, finish_grace_s=1.0)
     start = time.monotonic()
     assert launcher.launch(victim_dies, 1, "SIGSTOP") == 0
     assert time.monotonic() - start < 20
@@ -147,7 +147,7 @@ def test_stopped_worker_is_killed_once_the_others_finished():
 
 @pytest.mark.timeout(60)
 def test_all_workers_dead_is_a_clear_error():
-    launcher = OobleckLauncher(2, start_method="fork", timeout_s=40)
+    launcher = OobleckLauncher(2, start_method="forkserver", timeout_s=40)
     with pytest.raises(LaunchError) as err:
         launcher.launch(all_die, 1)
     message = str(err.value)
@@ -159,7 +159,7 @@ def test_all_workers_dead_is_a_clear_error():
 
 @pytest.mark.timeout(60)
 def test_launch_timeout_kills_every_worker():
-    launcher = OobleckLauncher(2, start_method="fork", timeout_s=1.0)
+    launcher = OobleckLauncher(2, start_method="forkserver", timeout_s=1.0)
     start = time.monotonic()
     stuck = r"rank 0: killed by the supervisor: still running after timeout_s=1\.0; rank 1: "
     with pytest.raises(TimeoutError, match=stuck):
@@ -190,7 +190,7 @@ def test_sigkilled_supervisor_leaves_no_orphan(tmp_path: Path):
                 time.sleep(600)
 
             if __name__ == "__main__":
-                OobleckLauncher(2, start_method="fork", timeout_s=600).launch(work, sys.argv[1])
+                OobleckLauncher(2, start_method="forkserver", timeout_s=600).launch(work, sys.argv[1])
             """
         )
     )
@@ -223,8 +223,8 @@ def test_sigkilled_supervisor_leaves_no_orphan(tmp_path: Path):
 def test_bad_arguments_are_refused_with_the_fix():
     with pytest.raises(ValueError, match="devices_per_node dividing the number of processes"):
         OobleckLauncher(3, devices_per_node=2)
-    with pytest.raises(ValueError, match="'spawn' or 'fork'"):
-        OobleckLauncher(2, start_method="forkserver")  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="one of forkserver, spawn, fork, got 'thread'"):
+        OobleckLauncher(2, start_method="thread")  # type: ignore[arg-type]
 
 
 def test_supervisor_store_serves_clients():

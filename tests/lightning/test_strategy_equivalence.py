@@ -85,7 +85,7 @@ def test_fit_equals_single_process_training(name: str, reference: tuple, tmp_pat
         layout=layout,
         microbatches=microbatches,
         seed=SEED,
-        start_method="fork",
+        start_method="forkserver",
         collective_timeout_s=10,
     )
     recorder = HookRecorder(tmp_path)
@@ -140,7 +140,7 @@ def test_resume_into_another_layout_equals_the_uninterrupted_run(reference: tupl
             layout=layout_,
             microbatches=microbatches,
             seed=SEED,
-            start_method="fork",
+            start_method="forkserver",
             collective_timeout_s=10,
         )
         kwargs = {

@@ -24,7 +24,7 @@ TWO_PIPELINES = [[0, 3, 6], [0, 3, 6]]
 
 
 def strategy(**overrides: object) -> OobleckStrategy:
-    options = dict(global_batch_size=GLOBAL_BATCH, microbatch_size=MICRO, start_method="fork")
+    options = dict(global_batch_size=GLOBAL_BATCH, microbatch_size=MICRO, start_method="forkserver")
     return OobleckStrategy(**{**options, **overrides})
 
 
@@ -50,7 +50,7 @@ def trainer(devices: int, strategy: OobleckStrategy, **kwargs: object) -> L.Trai
             {"microbatch_size": 3},
             "does not divide global_batch_size=8: pick a divisor, e.g. microbatch_size=2",
         ),
-        ({"start_method": "forkserver"}, "start_method must be 'spawn' or 'fork'"),
+        ({"start_method": "thread"}, "start_method must be one of forkserver, spawn, fork"),
         ({"microbatches": [2, 2]}, "only meaningful with layout"),
     ],
 )

@@ -42,7 +42,7 @@ def test_bf16_mixed_pipeline_matches_single_process_bf16() -> None:
         fault_tolerance=0,
         layout=[[0, 3, 6]],
         seed=SEED,
-        start_method="fork",
+        start_method="forkserver",
     )
     weights, val = fit(2, two_stages)
     assert weights["layers.0.weight"].dtype == torch.float32  # master weights stay fp32 under autocast

@@ -40,10 +40,11 @@ from gpt.model import gpt_loss  # noqa: E402
 from lightning_oobleck.execution import PeerFailure, PipelineEngine, ProcessGroups  # noqa: E402
 from lightning_oobleck.planning.plan import Plan  # noqa: E402
 from lightning_oobleck.recovery import EventLog, WorkerAgent  # noqa: E402
-from lightning_oobleck.recovery.runtime import Recovery  # noqa: E402
+from lightning_oobleck.recovery.runtime import Recovery, UnrecoverableFailure  # noqa: E402
 
 MAX_NORM = 0.5
 GROUP_TIMEOUT = timedelta(seconds=20)
+UNRECOVERABLE_EXIT = 3
 
 
 def clip_and_step(opt: torch.optim.Optimizer, norm_sq: float) -> None:
@@ -92,6 +93,7 @@ def main() -> None:
     parser.add_argument("--out", required=True)
     parser.add_argument("--events", required=True)
     parser.add_argument("--fault", action="append", default=[])
+    parser.add_argument("--checkpoint-dir")
     args = parser.parse_args()
     faults = [(kind, int(at)) for kind, at in (f.split(":") for f in args.fault)]
     out = open(args.out, "a", buffering=1)  # noqa: SIM115 (the process ends with os._exit)
@@ -146,12 +148,18 @@ def main() -> None:
         dtype=torch.float64,
         group_timeout=GROUP_TIMEOUT,
         events=EventLog(args.events),
+        checkpoint_dir=args.checkpoint_dir,
         faults=faults,
         report=report,
     )
     generation = recovery.generation
     while recovery.ledger.applied < args.steps:
-        recovery.train_step(batch)
+        try:
+            recovery.train_step(batch)
+        except UnrecoverableFailure as e:
+            report("unrecoverable", step=recovery.ledger.applied, error=str(e))
+            out.flush()
+            os._exit(UNRECOVERABLE_EXIT)
         if recovery.generation != generation:
             generation = recovery.generation
             report("recovered", generation=generation, plan=recovery.plan.to_dict()["pipelines"])

@@ -8,7 +8,9 @@ single-process training on the same batches to 1e-9.
 
 from __future__ import annotations
 
+import dataclasses
 import json
+import signal
 import subprocess
 import sys
 import time
@@ -20,10 +22,11 @@ import pytest
 import torch
 from execution.exec_workloads import CPU, SEED, global_batch, model, optimizer
 from gpt.model import gpt_loss
-from runtime_worker import MAX_NORM  # also makes tests/execution and examples/ importable
+from runtime_worker import MAX_NORM, UNRECOVERABLE_EXIT  # also makes tests/execution and examples/ importable
 from torch.distributed import TCPStore
 
 from lightning_oobleck.execution import build_reference_model
+from lightning_oobleck.lightning.checkpoint import load_sharded_model
 from lightning_oobleck.planning.cluster import ClusterSpec
 from lightning_oobleck.planning.plan import Plan
 from lightning_oobleck.planning.planner import make_plan
@@ -58,10 +61,19 @@ def reference_weights(steps: int) -> dict[str, torch.Tensor]:
     return {n: p.detach() for n, p in reference.named_parameters()}
 
 
-def run_training(tmp_path: Path, steps: int, faults: dict[int, list[str]]) -> dict[str, Any]:
-    """Run the 6-node training with ``faults[node]``; return each node's records, exit codes and weights."""
+def run_training(
+    tmp_path: Path,
+    steps: int,
+    faults: dict[int, list[str]],
+    plan: Plan | None = None,
+    kill_together: set[int] = frozenset(),
+) -> dict[str, Any]:
+    """Run the 6-node training with ``faults[node]``; return each node's records, exit codes and weights.
+
+    ``kill_together``: nodes the test SIGKILLs within a millisecond once every node applied step 0.
+    """
     plan_file = tmp_path / "plan.json"
-    plan_file.write_text(six_node_plan().to_json())
+    plan_file.write_text((plan or six_node_plan()).to_json())
     store = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=30))
     coordinator = Coordinator(
         NODES, "127.0.0.1", heartbeat_timeout=1.5, settle_s=0.2, agreement_timeout=30.0, kill_fenced=True
@@ -79,11 +91,19 @@ def run_training(tmp_path: Path, steps: int, faults: dict[int, list[str]]) -> di
                 f"--steps={steps}",
                 f"--out={tmp_path / f'node{node}.jsonl'}",
                 f"--events={tmp_path / 'run.jsonl'}",
+                f"--checkpoint-dir={tmp_path / 'checkpoints'}",
                 *(f"--fault={f}" for f in faults.get(node, [])),
             ]
             with open(tmp_path / f"node{node}.log", "wb") as log:
                 procs[node] = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT)
         deadline = time.monotonic() + RUN_TIMEOUT_S
+        if kill_together:
+            outputs = [tmp_path / f"node{node}.jsonl" for node in range(NODES)]
+            while not all(p.exists() and '"applied"' in p.read_text() for p in outputs):
+                assert time.monotonic() < deadline, "the workers did not start training"
+                time.sleep(0.01)
+            for node in kill_together:
+                procs[node].send_signal(signal.SIGKILL)
         codes = {}
         for node, proc in procs.items():
             codes[node] = proc.wait(timeout=max(1.0, deadline - time.monotonic()))
@@ -162,3 +182,49 @@ def test_rank0_then_committed_step_then_kill_during_recovery(tmp_path: Path) -> 
     _, recoveries = read_events(tmp_path / "run.jsonl")
     assert [e.generation for e in recoveries] == [1, 3]
     assert all(e.resumed_at is not None for e in recoveries)
+
+
+@pytest.mark.timeout(RUN_TIMEOUT_S + 60)
+def test_two_nodes_at_once_then_sigstop(tmp_path: Path) -> None:
+    """f = 2 at the same moment: a last stage (node 1) and a first stage (node 2) of two different
+    pipelines die mid-1F1B at step 1; later a first stage (node 4) hangs (SIGSTOP) at step 3: it is
+    declared dead after the heartbeat timeout, fenced (killed) and the survivors go on."""
+    steps = 5
+    result = run_training(
+        tmp_path, steps, {1: ["kill-forward:1"], 2: ["kill-forward:1"], 4: ["stop-forward:3"]}
+    )
+    check_run(result, steps, dead={1, 2, 4})
+    history = result["history"]
+    assert [sorted(w.node for w in m.removed) for m in history[1:]] == [[1, 2], [4]]
+    _, recoveries = read_events(tmp_path / "run.jsonl")
+    assert [e.generation for e in recoveries] == [1, 2]
+
+
+@pytest.mark.timeout(RUN_TIMEOUT_S + 60)
+def test_every_replica_lost_ends_with_clear_error(tmp_path: Path) -> None:
+    """Three first stages die at once: layers 0-2 have no replica left. The survivors must not hang:
+    they stop with an error that says how to resume."""
+    result = run_training(tmp_path, 3, {0: ["kill-forward:1"], 2: ["kill-forward:1"], 4: ["kill-forward:1"]})
+    for node in (1, 3, 5):
+        assert result["codes"][node] == UNRECOVERABLE_EXIT
+        (error,) = [r["error"] for r in result["records"][node] if r["kind"] == "unrecoverable"]
+        assert "every replica of layer 0" in error and "ckpt_path" in error
+
+
+@pytest.mark.timeout(RUN_TIMEOUT_S + 60)
+def test_no_pipeline_fits_writes_checkpoint_from_survivors(tmp_path: Path) -> None:
+    """With n0 raised to 3, four nodes dying at once leave 2 nodes that still hold every layer (node 0:
+    layers 0-2, node 3: layers 3-5) but cannot form a pipeline: they write a checkpoint of the last
+    applied step and stop with an error naming it; the checkpoint holds the reference weights."""
+    plan = dataclasses.replace(six_node_plan(), n0=3)
+    result = run_training(tmp_path, 1000, {}, plan, kill_together={1, 2, 4, 5})
+    (step,) = {r["step"] for node in (0, 3) for r in result["records"][node] if r["kind"] == "unrecoverable"}
+    for node in (0, 3):
+        assert result["codes"][node] == UNRECOVERABLE_EXIT
+        (error,) = [r["error"] for r in result["records"][node] if r["kind"] == "unrecoverable"]
+        assert "no pipeline fits" in error and "ckpt_path=" in error
+    path = tmp_path / "checkpoints" / f"survivors-step{step}"
+    full = build_reference_model(model, CPU, SEED + 1, torch.float64)
+    load_sharded_model(path, full)
+    for name, value in reference_weights(step).items():
+        torch.testing.assert_close(full.state_dict()[name], value, rtol=0, atol=1e-9, msg=name)

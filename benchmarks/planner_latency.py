@@ -1,0 +1,91 @@
+"""Planner latency against the Oobleck paper's Table 3, plus a 1,024-node scale row.
+
+Run: ``python benchmarks/planner_latency.py``. Each cell times ``make_plan`` (node specification,
+every template, instantiation with f = 1, batch distribution) on a synthetic GPT profile, best of
+three runs, and prints it beside the paper's planning time for the same grid (its Table 3, from
+the SOSP'23 Oobleck paper via the course presentation in the project's reference material).
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+
+from rich.console import Console
+from rich.table import Table
+
+from lightning_oobleck.planning import ClusterSpec, Plan, make_plan, synthetic_gpt_profile
+
+NODES = (8, 16, 24)
+GPUS = (1, 4, 8)
+LAYERS = (24, 32, 64, 96)
+PAPER_S = {
+    (8, 1): (0.28, 0.71, 9.65, 68.50),
+    (8, 4): (0.41, 1.15, 11.58, 74.56),
+    (8, 8): (0.54, 1.50, 20.98, 109.76),
+    (16, 1): (3.37, 7.45, 66.35, 540.36),
+    (16, 4): (4.56, 10.41, 108.10, 649.67),
+    (16, 8): (4.90, 11.78, 176.04, 1213.63),
+    (24, 1): (11.35, 30.11, 262.47, 1477.54),
+    (24, 4): (14.78, 45.80, 472.53, 2153.84),
+    (24, 8): (15.59, 49.25, 520.08, 3297.92),
+}
+"""The paper's Table 3: planning seconds per (nodes, GPUs per node), for 24 / 32 / 64 / 96 layers."""
+MODELS = {24: (1024, 2048), 32: (2560, 2048), 64: (2560, 1024), 96: (2560, 1024)}
+"""(hidden, sequence length) per layer count: GPT-3 Medium, GPT-3 2.7B, and deeper 2.7B-wide models."""
+A40 = {"device_memory_bytes": 48e9, "intra_node_bandwidth": 100e9, "inter_node_bandwidth": 25e9}
+
+
+def timed_plan(
+    nodes: int, gpus: int, layers: int, fault_tolerance: int, global_batch: int, repeats: int
+) -> Plan:
+    hidden, seq_len = MODELS[layers]
+    profile = synthetic_gpt_profile(layers, hidden, seq_len, 1)
+    cluster = ClusterSpec(nodes, gpus, **A40)
+    runs = [
+        make_plan(profile, cluster, fault_tolerance=fault_tolerance, global_batch_size=global_batch)
+        for _ in range(repeats)
+    ]
+    return min(runs, key=lambda p: p.planning_s)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--repeats", type=int, default=3)
+    args = parser.parse_args()
+    console = Console(width=max(Console().width, 110))
+    table = Table(title="Planning latency (s): ours / paper (Table 3), f = 1, global batch 1024")
+    table.add_column("nodes", justify="right")
+    table.add_column("GPUs/node", justify="right")
+    for layers in LAYERS:
+        table.add_column(f"{layers} layers", justify="right")
+    slowest = 0.0
+    for nodes in NODES:
+        for gpus in GPUS:
+            cells = []
+            for layers, paper in zip(LAYERS, PAPER_S[(nodes, gpus)], strict=True):
+                plan = timed_plan(nodes, gpus, layers, 1, 1024, args.repeats)
+                slowest = max(slowest, plan.planning_s)
+                cells.append(f"{plan.planning_s:.3f} / {paper:,.2f}")
+            table.add_row(str(nodes), str(gpus), *cells)
+    console.print(table)
+    console.print(f"slowest cell: {slowest:.3f} s (goal < 1 s; the paper's slowest: 3,297.92 s)")
+
+    started = time.perf_counter()
+    plan = timed_plan(1024, 8, 96, 4, 8192, 1)
+    wall = time.perf_counter() - started
+    scale = Table(title="Scale: 1,024 nodes x 8 GPUs, 96 layers, f = 4, global batch 8192 (goal < 5 s)")
+    for name in ("templates", "pipelines", "n0", "iteration (s)", "planning (s)"):
+        scale.add_column(name, justify="right")
+    scale.add_row(
+        str(len(plan.templates)),
+        str(len(plan.pipelines)),
+        str(plan.n0),
+        f"{plan.iteration_time_s:.3f}",
+        f"{plan.planning_s:.3f} (wall {wall:.3f})",
+    )
+    console.print(scale)
+
+
+if __name__ == "__main__":
+    main()
