@@ -19,7 +19,9 @@ class CliError(Exception):
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="oobleck", description="Fault-tolerant pipeline training (Oobleck).")
+    parser = argparse.ArgumentParser(
+        prog="oobleck", description="Fault-tolerant pipeline training (Oobleck)."
+    )
     sub = parser.add_subparsers(dest="command", required=True)
     for name in _COMMAND_MODULES:
         importlib.import_module(name).register(sub)

@@ -6,10 +6,11 @@ Lightning's launchers make the main process rank 0 (``ddp``) or kill every child
 * the calling process is a **supervisor**, never a worker: it hosts the rendezvous ``TCPStore`` server
   and the :class:`SupervisorService` objects (the recovery coordinator), which therefore outlive every
   worker;
-* workers are started with ``forkserver`` (default: forked from a single-threaded server process that has
-  imported torch and Lightning once, so starting a worker costs no re-import and never inherits a lock
-  held by another thread or an OpenMP pool), ``spawn`` (like ``ddp_spawn``) or ``fork`` (notebooks; unsafe
-  once the caller has run torch ops or started threads): the caller's ``trainer.fit`` returns in the supervisor
+* workers are started with ``forkserver`` (default: forked from a single-threaded server process that
+  has imported torch and Lightning once, so starting a worker costs no re-import and never inherits a
+  lock held by another thread or an OpenMP pool), ``spawn`` (like ``ddp_spawn``) or ``fork``
+  (notebooks; unsafe once the caller has run torch ops or started threads): the caller's
+  ``trainer.fit`` returns in the supervisor
   with the survivors' state and weights, which a script re-run (``ddp``) cannot give, and the supervisor
   never runs training code that could crash it;
 * workers are started *before* the store and the services, and wait for their environment on a pipe:
@@ -35,6 +36,7 @@ import shutil
 import signal
 import sys
 import tempfile
+import threading
 import time
 import traceback
 from collections.abc import Callable, Sequence
@@ -43,7 +45,7 @@ from datetime import timedelta
 from multiprocessing.connection import Connection
 from multiprocessing.connection import wait as wait_for_sentinels
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Literal, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 import torch.distributed as dist
 from lightning.fabric.strategies.launchers.multiprocessing import (
@@ -268,6 +270,7 @@ class OobleckLauncher(_Launcher):
         supervisor = Supervisor(
             self.num_processes, devices_per_node=self.devices_per_node, services=self.services, host=self.host
         )
+        env_pipes: dict[int, Connection] = {}
         try:
             # Workers start before the store and the services: their threads must not exist at a fork.
             env_pipes = self._start_workers(workdir, trainer, function, args, kwargs)
@@ -280,6 +283,8 @@ class OobleckLauncher(_Launcher):
             return self._recover_results(report, workdir, trainer)
         finally:
             self._kill_all(signal.SIGKILL)
+            for pipe in env_pipes.values():
+                pipe.close()
             shutil.rmtree(workdir, ignore_errors=True)
 
     def kill(self, signum: int | signal.Signals) -> None:
@@ -314,13 +319,15 @@ class OobleckLauncher(_Launcher):
         return env_pipes
 
     def _release_workers(self, supervisor: Supervisor, env_pipes: dict[int, Connection]) -> None:
-        """Send each worker its position, the store's address and the services' variables."""
+        """Send each worker its position, the store's address and the services' variables.
+
+        The pipes stay open until the launch ends: a worker takes their end-of-file as its supervisor's death.
+        """
         for rank, pipe in env_pipes.items():
             position = local_worker_env(
                 rank, self.num_processes, self.devices_per_node, supervisor.store_addr
             )
-            with pipe:
-                pipe.send({**supervisor.worker_env, **position})
+            pipe.send({**supervisor.worker_env, **position})
 
     def _supervise(self, supervisor: Supervisor, workdir: Path) -> LaunchReport:
         """Wait for every worker, telling the services of each exit; bounded by the two deadlines."""
@@ -398,7 +405,9 @@ def _worker_main(
     if not env_pipe.poll(_RELEASE_TIMEOUT_S):
         raise TimeoutError(f"the supervisor did not release worker {spec.rank} within {_RELEASE_TIMEOUT_S} s")
     os.environ.update(env_pipe.recv())
-    env_pipe.close()
+    threading.Thread(
+        target=_exit_with_supervisor, args=(env_pipe,), name="oobleck-lifeline", daemon=True
+    ).start()
     if global_states is not None:
         global_states.restore()
     if spec.spawned:
@@ -410,6 +419,17 @@ def _worker_main(
         write_worker_error(spec.workdir, spec.rank, traceback.format_exc())
         raise
     write_worker_result(spec.workdir, spec.rank, value, trainer)
+
+
+def _exit_with_supervisor(lifeline: Connection) -> None:
+    """Exit when the supervisor's end of ``lifeline`` closes (it never writes again).
+
+    ``PR_SET_PDEATHSIG`` fires on the death of the *parent*, which is the fork server, not the supervisor,
+    with ``forkserver``; and the fork server can outlive the supervisor.
+    """
+    with contextlib.suppress(EOFError, OSError):
+        lifeline.recv()
+    os._exit(1)
 
 
 def _die_with_supervisor(supervisor_pid: int) -> None:

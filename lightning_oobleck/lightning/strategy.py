@@ -66,6 +66,9 @@ from lightning_oobleck.lightning.module import (
 )
 from lightning_oobleck.lightning.plan_agreement import agree_on_plan, check_layout_size
 from lightning_oobleck.planning.plan import Plan
+from lightning_oobleck.recovery.agent import WorkerAgent
+from lightning_oobleck.recovery.fit import FitRecovery, start_agent
+from lightning_oobleck.recovery.service import CoordinatorService
 
 
 class OobleckStrategy(ParallelStrategy, PipelineExecutor):
@@ -103,6 +106,9 @@ class OobleckStrategy(ParallelStrategy, PipelineExecutor):
         self._in_flight = DataPosition()
         self._checkpoint_path: Path | None = None
         self._stashed_grads: list[Tensor | None] | None = None
+        self._store: dist.Store | None = None
+        self._agent: WorkerAgent | None = None
+        self._fit_recovery: FitRecovery | None = None
 
     @classmethod
     def from_config(cls, cfg: Any, **kwargs: Any) -> OobleckStrategy:
@@ -166,6 +172,8 @@ class OobleckStrategy(ParallelStrategy, PipelineExecutor):
                 self.num_processes * self.num_nodes,
                 devices_per_node=self.config.devices_per_node,
                 start_method=self.config.start_method,  # type: ignore[arg-type]
+                # The coordinator of in-process recovery lives in the supervisor, which outlives every worker.
+                services=[CoordinatorService(heartbeat_timeout=self.config.heartbeat_timeout_s)],
             )
 
     # ------------------------------------------------------------------ environment and setup
@@ -174,7 +182,7 @@ class OobleckStrategy(ParallelStrategy, PipelineExecutor):
         environment = self._environment()
         module = self._pipeline_module()
         self.config = self.config.with_batch(self._loader_batch_size(), environment.world_size())
-        store = _connect_store(environment, self.config)
+        store = self._store = _connect_store(environment, self.config)
         layers = meta_layers(module)
         plan = agree_on_plan(
             store,
@@ -184,11 +192,12 @@ class OobleckStrategy(ParallelStrategy, PipelineExecutor):
             environment.world_size(),
             make_plan=lambda: self._planner_plan(module, environment.world_size()),
         )
+        self._agent, generation = start_agent(environment.worker, self.config.plan_timeout_s)
         self._groups = ProcessGroups(
             plan,
             environment.worker,
             store,
-            generation=0,
+            generation=generation,
             backend=self.config.backend or backend_for(self.root_device),
             timeout=timedelta(seconds=self.config.collective_timeout_s),
             world_size=environment.world_size(),
@@ -213,6 +222,8 @@ class OobleckStrategy(ParallelStrategy, PipelineExecutor):
         self.precision_plugin.clip_grad_by_norm = self._clip_grad_by_global_norm  # type: ignore[method-assign]
         if trainer.state.fn == TrainerFn.FITTING:
             _optimizers_to_device(self.optimizers, self.root_device)
+            if self._agent is not None:
+                self._fit_recovery = FitRecovery(self, trainer, self._agent, self._store)
 
     def _build_engine(self, module: PipelineModule) -> PipelineEngine:
         """Materialise the owned layers; weights the module already holds (a previous fit's) are kept."""
@@ -223,6 +234,7 @@ class OobleckStrategy(ParallelStrategy, PipelineExecutor):
                 self._require_groups(),
                 self.root_device,
                 seed=module.init_seed,
+                abort=self._agent.abort if self._agent is not None else None,
             )
         held = getattr(module, "layers", None)
         if held is not None:
@@ -292,7 +304,11 @@ class OobleckStrategy(ParallelStrategy, PipelineExecutor):
         if self._groups is not None:
             self._groups.destroy()
             self._groups = None
+        if self._agent is not None:
+            self._agent.close(finished=True)
+            self._agent = None
         self._engine = None
+        self._fit_recovery = None
         super().teardown()
 
     # ------------------------------------------------------------------ the step
@@ -305,6 +321,10 @@ class OobleckStrategy(ParallelStrategy, PipelineExecutor):
             # The previous step's gradients are still in .grad (Lightning zeroes them only after
             # training_step); the schedule accumulates into .grad, so it must start from nothing.
             self._take_grads()
+            if self._fit_recovery is not None:
+                loss = self._fit_recovery.pipeline_step(module, batch)
+                self._stashed_grads = self._take_grads()
+                return loss.requires_grad_()
             part = engine.train_step(inputs, targets)
             self._stashed_grads = self._take_grads()
         else:
@@ -338,7 +358,15 @@ class OobleckStrategy(ParallelStrategy, PipelineExecutor):
         model: LightningModule | torch.nn.Module | None = None,
         **kwargs: Any,
     ) -> Any:
-        output = super().optimizer_step(optimizer, closure, model, **kwargs)
+        if self._fit_recovery is not None:
+            output = self._fit_recovery.optimizer_step(
+                lambda opt, step_closure: super(OobleckStrategy, self).optimizer_step(
+                    opt, step_closure, model, **kwargs
+                ),
+                closure,
+            )
+        else:
+            output = super().optimizer_step(optimizer, closure, model, **kwargs)
         sampler = self._train_sampler()
         if sampler is not None:
             sampler.advance(self._in_flight.epoch, self._in_flight.step + 1)
@@ -367,6 +395,12 @@ class OobleckStrategy(ParallelStrategy, PipelineExecutor):
 
     def _clip_grad_by_global_norm(self, optimizer: Optimizer, clip_val: float) -> None:
         """``torch.nn.utils.clip_grad_norm_`` with the norm of the whole model, each layer counted once."""
+        if self._fit_recovery is not None:  # the step's commit already summed the norm
+            grads = [
+                p.grad for group in optimizer.param_groups for p in group["params"] if p.grad is not None
+            ]
+            self._fit_recovery.clip(grads, clip_val)
+            return
         total = torch.as_tensor(self.engine.grad_norm_sq(), dtype=torch.float64, device=self.root_device)
         dist.all_reduce(total)
         coef = torch.clamp(clip_val / (total.sqrt() + 1e-6), max=1.0)

@@ -81,8 +81,17 @@ class StepLedger:
     """Optimizer steps applied: the step to run next."""
     synced: bool = False
     """The gradients of step ``applied`` are summed over every replica (its gradient sync finished)."""
-    last_norm_sq: float | None = None
-    """The committed global squared gradient norm of step ``applied - 1``."""
+    last_commit: list[float] | None = None
+    """The committed values of step ``applied - 1`` (``[grad-norm², *extra]``: :meth:`Recovery.commit`)."""
+
+
+@dataclass(frozen=True)
+class RecoveryOutcome:
+    """What a recovery did: its event, and the commit of the interrupted step when this worker applied
+    it during the recovery (it had missed a commit that other survivors saw), else ``None`` (redo it)."""
+
+    event: RecoveryEvent
+    caught_up: list[float] | None
 
 
 @dataclass
@@ -169,40 +178,51 @@ class Recovery:
                     inputs[engine.batch_slice] if engine.is_first_stage else None,
                     targets[engine.batch_slice] if engine.is_last_stage else None,
                 )
-                self.ledger.synced = True
-                norm_sq = self.commit()
+                committed = self.commit()
             except PeerFailure as e:
                 log.warning("step %d interrupted: %s", self.ledger.applied, e)
-                self.recover()
+                if self.recover().caught_up is not None:
+                    return loss
                 continue
-            self.apply(norm_sq)
+            self.apply(committed)
             return loss
 
-    def commit(self) -> float:
-        """The step's commit: all-reduce the squared gradient norm over every worker (abortable)."""
-        norm_sq = self.engine.grad_norm_sq()
+    def commit(self, extra: Tensor | None = None) -> list[float]:
+        """The step's commit, after :meth:`PipelineEngine.train_step` returned: all-reduce (sum, abortable)
+        ``[this worker's part of the squared gradient norm, *extra]`` over every worker.
+
+        ``extra``: more per-worker values to sum in the same all-reduce (e.g. the loss parts). Returns
+        ``[global squared gradient norm, *summed extra]``.
+        """
+        self.ledger.synced = True
+        values = self.engine.grad_norm_sq().reshape(1)
+        if extra is not None:
+            values = torch.cat([values, extra.detach().to(values).reshape(-1)])
         waiter = self.engine.groups.waiter
         with waiter.issuing():
-            work = dist.all_reduce(norm_sq, async_op=True)
+            work = dist.all_reduce(values, async_op=True)
         self._wait_commit(work)
-        return float(norm_sq.item())
+        return values.tolist()
 
     def _wait_commit(self, work: dist.Work) -> None:
         self.engine.groups.waiter.wait([work], self.agent.abort)
 
-    def apply(self, norm_sq: float) -> None:
-        """Apply the committed step locally and advance the ledger."""
-        self.apply_update(self.optimizer, norm_sq)
+    def apply(self, committed: list[float]) -> None:
+        """Apply the committed step locally (``apply_update``) and :meth:`advance`."""
+        self.apply_update(self.optimizer, committed[0])
+        self.advance(committed)
+
+    def advance(self, committed: list[float]) -> None:
+        """Record that the committed step was applied (by :meth:`apply` or by the caller itself)."""
         self.module.zero_grad(set_to_none=True)
-        self.ledger = StepLedger(self.ledger.applied + 1, False, norm_sq)
+        self.ledger = StepLedger(self.ledger.applied + 1, False, committed)
 
     # ------------------------------------------------------------------ recovery
 
-    def recover(self) -> RecoveryEvent:
+    def recover(self) -> RecoveryOutcome:
         """Agree on the survivors, settle the step, re-plan, rebuild groups, copy state, switch.
 
-        Returns the recovery's event (its phases marked). Raises :class:`UnrecoverableFailure` when
-        training cannot continue in place.
+        Raises :class:`UnrecoverableFailure` when training cannot continue in place.
         """
         detected = self.agent.aborted_at
         after = self.generation
@@ -214,6 +234,7 @@ class Recovery:
             after = membership.generation
             event = RecoveryEvent.from_membership(membership)
             event.detected_at = event.detected_at or detected
+            applied = self.ledger.applied
             try:
                 self._recover_to(membership, event)
             except (PeerFailure, dist.DistError) as e:
@@ -221,7 +242,8 @@ class Recovery:
                 continue
             if self.events is not None and membership.workers[0] == self.worker:
                 self.events.recovery(event, step=self.ledger.applied)
-            return event
+            caught_up = self.ledger.last_commit if self.ledger.applied > applied else None
+            return RecoveryOutcome(event, caught_up)
         raise UnrecoverableFailure(
             f"recovery failed {self.max_attempts} times in a row (last generation {after}): failures keep "
             "happening; resume from the last checkpoint (Trainer.fit(ckpt_path=...)) on healthy nodes"
@@ -284,7 +306,7 @@ class Recovery:
             "copied": self._copied.generation if self._copied else -1,
             "applied": self.ledger.applied,
             "synced": self.ledger.synced,
-            "last_norm_sq": self.ledger.last_norm_sq,
+            "last_commit": self.ledger.last_commit,
         }
         self.store.set(f"{prefix}{self.worker[0]}.{self.worker[1]}", json.dumps(mine))
         keys = [f"{prefix}{node}.{device}" for node, device in membership.workers]
@@ -316,9 +338,9 @@ class Recovery:
         """Finish a step some survivor committed; otherwise drop the interrupted step's gradients."""
         newest = max(r["applied"] for r in records.values())
         if self.ledger.applied == newest - 1 and self.ledger.synced:
-            norm_sq = next(r["last_norm_sq"] for r in records.values() if r["applied"] == newest)
+            committed = next(r["last_commit"] for r in records.values() if r["applied"] == newest)
             log.warning("step %d was committed by other survivors: applying it here too", newest - 1)
-            self.apply(norm_sq)
+            self.apply(committed)
         elif self.ledger.applied != newest:
             raise UnrecoverableFailure(
                 f"this worker applied {self.ledger.applied} steps, other survivors {newest}, and it has no "

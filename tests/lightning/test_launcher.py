@@ -91,7 +91,9 @@ def sleep_forever() -> None:
 @pytest.mark.timeout(60)
 def test_workers_get_positions_from_the_supervisor_store():
     recorder = ExitRecorder()
-    launcher = OobleckLauncher(4, devices_per_node=2, start_method="forkserver", services=[recorder], timeout_s=40)
+    launcher = OobleckLauncher(
+        4, devices_per_node=2, start_method="forkserver", services=[recorder], timeout_s=40
+    )
     positions: dict[int, str] = {}
 
     class ReadPositions(ExitRecorder):

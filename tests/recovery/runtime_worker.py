@@ -68,6 +68,12 @@ class FaultyRecovery(Recovery):
     def fault(self, kind: str, at: int) -> bool:
         return (kind, at) in self.faults
 
+    def inject(self, kind: str, at: int, signum: signal.Signals = signal.SIGKILL) -> None:
+        """Send ``signum`` to this process if the fault ``kind:at`` was asked for (reported first)."""
+        if self.fault(kind, at):
+            self.report("fault", fault=kind, at=at)
+            os.kill(os.getpid(), signum)
+
     def _wait_commit(self, work: Any) -> None:
         if self.fault("lag-commit", self.ledger.applied):
             deadline = time.monotonic() + 10
@@ -78,8 +84,7 @@ class FaultyRecovery(Recovery):
         super()._wait_commit(work)
 
     def _barrier(self, groups: ProcessGroups) -> None:
-        if self.fault("kill-copy", groups.generation):
-            os.kill(os.getpid(), signal.SIGKILL)
+        self.inject("kill-copy", groups.generation)
         super()._barrier(groups)
 
 
@@ -112,8 +117,7 @@ def main() -> None:
 
     def apply_update(opt: torch.optim.Optimizer, norm_sq: float) -> None:
         report("applied", step=recovery.ledger.applied, generation=recovery.generation, **pending)
-        if recovery.fault("kill-commit", recovery.ledger.applied):
-            os.kill(os.getpid(), signal.SIGKILL)
+        recovery.inject("kill-commit", recovery.ledger.applied)
         clip_and_step(opt, norm_sq)
 
     def batch(step: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -128,12 +132,9 @@ def main() -> None:
 
     def in_forward(_module: torch.nn.Module, _args: Any) -> None:
         forwards[0] += 1
-        step = recovery.ledger.applied
         if forwards[0] == 3:  # a few layers into the step's 1F1B
-            if recovery.fault("kill-forward", step):
-                os.kill(os.getpid(), signal.SIGKILL)
-            if recovery.fault("stop-forward", step):
-                os.kill(os.getpid(), signal.SIGSTOP)
+            recovery.inject("kill-forward", recovery.ledger.applied)
+            recovery.inject("stop-forward", recovery.ledger.applied, signal.SIGSTOP)
 
     torch.nn.modules.module.register_module_forward_pre_hook(in_forward)
     recovery = FaultyRecovery(

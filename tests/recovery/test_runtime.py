@@ -76,7 +76,7 @@ def run_training(
     plan_file.write_text((plan or six_node_plan()).to_json())
     store = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=30))
     coordinator = Coordinator(
-        NODES, "127.0.0.1", heartbeat_timeout=1.5, settle_s=0.2, agreement_timeout=30.0, kill_fenced=True
+        NODES, "127.0.0.1", heartbeat_timeout=3.0, settle_s=0.2, agreement_timeout=30.0, kill_fenced=True
     ).start()
     procs = {}
     try:
