@@ -3,6 +3,8 @@
     python examples/gpt/train.py                                  # config.yaml as it is
     python examples/gpt/train.py --devices 6 --fault-tolerance 2  # 3+ pipelines over 6 processes
     python examples/gpt/train.py --max-steps 50 --precision bf16-mixed strategy.microbatch_size=2
+    python examples/gpt/train.py --devices 6 --fault-tolerance 2 --kill-rank 0 --kill-at-step 30
+                                                                  # SIGKILL rank 0 at step 30: it recovers
 
 Settings come from ``--config`` (default: ``config.yaml`` beside this file), then ``key=value`` dot-list
 overrides (``trainer.max_steps=100``, ``strategy.global_batch_size=64``), then the flags.
@@ -12,6 +14,8 @@ from __future__ import annotations
 
 import argparse
 import math
+import os
+import signal
 from pathlib import Path
 from typing import Any
 
@@ -27,6 +31,7 @@ from torch.utils.data import DataLoader
 
 from lightning_oobleck.lightning import OobleckStrategy, PipelineModule
 from lightning_oobleck.planning.plan import Plan
+from lightning_oobleck.recovery import read_events
 
 DEFAULT_CONFIG = Path(__file__).with_name("config.yaml")
 
@@ -70,6 +75,53 @@ class PrintPlan(L.Callback):
             Console().print(plan_table(trainer.strategy.plan))
 
 
+class KillAt(L.Callback):
+    """SIGKILL the process started as global rank ``rank`` when training reaches step ``step``."""
+
+    def __init__(self, rank: int, step: int) -> None:
+        self.rank, self.step = rank, step
+
+    def on_train_batch_start(self, trainer: L.Trainer, *args: Any) -> None:
+        node, device = trainer.strategy._environment().worker
+        launch_rank = node * trainer.strategy.config.devices_per_node + device
+        if launch_rank == self.rank and trainer.global_step == self.step:
+            Console().print(f"[bold red]--kill-rank: SIGKILL to rank {self.rank} (pid {os.getpid()})")
+            os.kill(os.getpid(), signal.SIGKILL)
+
+
+class SaveAtEnd(L.Callback):
+    """Save a sharded checkpoint when training ends, while the strategy's process groups still exist."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+
+    def on_train_end(self, trainer: L.Trainer, module: L.LightningModule) -> None:
+        trainer.save_checkpoint(self.path)  # collective: every rank writes its layers' shards
+
+
+class ShowRecovery(L.Callback):
+    """After a recovery, global rank 0 of the new generation prints its phases and the new plan."""
+
+    def __init__(self) -> None:
+        self.generation = 0
+
+    def on_train_batch_end(self, trainer: L.Trainer, *args: Any) -> None:
+        strategy = trainer.strategy
+        if not isinstance(strategy, OobleckStrategy) or strategy.engine.groups.generation == self.generation:
+            return
+        self.generation = strategy.engine.groups.generation
+        if trainer.is_global_zero:
+            assert strategy.recovery_events is not None
+            _, recoveries = read_events(strategy.recovery_events)
+            event = recoveries[-1]
+            phases = ", ".join(f"{k} {v * 1e3:.0f} ms" for k, v in event.durations().items())
+            Console().print(
+                f"[bold green]recovered at step {trainer.global_step}: lost {event.removed}, "
+                f"generation {event.generation}: {phases}"
+            )
+            Console().print(plan_table(strategy.plan))
+
+
 def plan_table(plan: Plan) -> Table:
     table = Table(
         title=f"Oobleck plan: {len(plan.pipelines)} pipelines, f={plan.fault_tolerance}, "
@@ -103,6 +155,11 @@ def parse_args(argv: list[str] | None = None) -> tuple[argparse.Namespace, DictC
     parser.add_argument(
         "--fault-tolerance", type=int, help="node failures to survive (strategy.fault_tolerance)"
     )
+    parser.add_argument("--kill-rank", type=int, help="SIGKILL this rank during training (a demo)")
+    parser.add_argument("--kill-at-step", type=int, default=10, help="when --kill-rank fires")
+    parser.add_argument(
+        "--save", type=Path, help="after training, save a sharded checkpoint to this directory (all ranks)"
+    )
     parser.add_argument("overrides", nargs="*", help="dot-list overrides, e.g. strategy.microbatch_size=2")
     args = parser.parse_args(argv)
     cfg = OmegaConf.merge(OmegaConf.load(args.config), OmegaConf.from_dotlist(args.overrides))
@@ -129,7 +186,12 @@ def loaders(cfg: DictConfig) -> tuple[DataLoader, DataLoader]:
 
 
 def main(argv: list[str] | None = None) -> None:
-    _, cfg = parse_args(argv)
+    args, cfg = parse_args(argv)
+    callbacks: list[L.Callback] = [PrintPlan(), ShowRecovery()]
+    if args.kill_rank is not None:
+        callbacks.append(KillAt(args.kill_rank, args.kill_at_step))
+    if args.save is not None:
+        callbacks.append(SaveAtEnd(args.save))
     trainer_cfg = OmegaConf.to_container(cfg.trainer)
     assert isinstance(trainer_cfg, dict)
     model = GPT(
@@ -139,7 +201,7 @@ def main(argv: list[str] | None = None) -> None:
     trainer = L.Trainer(
         accelerator="cpu",
         strategy=OobleckStrategy.from_config(cfg.strategy),
-        callbacks=[PrintPlan()],
+        callbacks=callbacks,
         logger=False,
         enable_checkpointing=False,
         num_sanity_val_steps=0,

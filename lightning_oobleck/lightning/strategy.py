@@ -149,6 +149,11 @@ class OobleckStrategy(ParallelStrategy, PipelineExecutor):
         return self._engine
 
     @property
+    def recovery_events(self) -> Path | None:
+        """The JSONL file of this fit's step and recovery records (``oobleck timeline``), if recovery runs."""
+        return self._fit_recovery.events.path if self._fit_recovery is not None else None
+
+    @property
     def data_position(self) -> DataPosition:
         """The next training global batch (epoch, step): what a restart or a reconfiguration resumes from."""
         sampler = self._train_sampler()

@@ -32,7 +32,7 @@ from torch import Tensor
 from lightning_oobleck.execution.errors import PeerFailure
 from lightning_oobleck.execution.process_groups import backend_for
 from lightning_oobleck.execution.stage import StageModule
-from lightning_oobleck.lightning.data import DataPosition, share_of_pipeline
+from lightning_oobleck.lightning.data import DataPosition, PipelineDataLoader, share_of_pipeline
 from lightning_oobleck.recovery.agent import WorkerAgent
 from lightning_oobleck.recovery.events import EventLog
 from lightning_oobleck.recovery.protocol import ADDRESS_ENV
@@ -152,18 +152,23 @@ class FitRecovery:
         strategy.optimizers = [recovery.optimizer]
         for config in self.trainer.lr_scheduler_configs:
             config.scheduler.optimizer = recovery.optimizer
-        sampler = strategy._train_sampler()
-        if sampler is not None:
-            pipeline = groups.plan.role(*groups.worker).pipeline
-            sampler.set_share(
-                share_of_pipeline(groups.plan.microbatch_range(pipeline), groups.plan.microbatch_size)
-            )
+        pipeline = groups.plan.role(*groups.worker).pipeline
+        share = share_of_pipeline(groups.plan.microbatch_range(pipeline), groups.plan.microbatch_size)
+        for loader in self._loaders():
+            loader.batch_sampler.set_share(share)
         # The batch in flight, and the one Lightning prefetched, were cut for the old pipelines.
         position = strategy._in_flight
         self._stale = {position, DataPosition(position.epoch, position.step + 1)}
         if outcome.caught_up is not None:
             self.committed, self.caught_up = outcome.caught_up, True
         return outcome
+
+    def _loaders(self) -> list[PipelineDataLoader]:
+        """The training and validation loaders, whose samplers cut each global batch for this pipeline."""
+        val = self.trainer.val_dataloaders
+        val = [] if val is None else list(val) if isinstance(val, list | tuple) else [val]
+        loaders = [self.trainer.train_dataloader, *val]
+        return [loader for loader in loaders if isinstance(loader, PipelineDataLoader)]
 
     def _current_batch(self, batch: Any) -> Any:
         """``batch``, or this pipeline's share of the same global batch re-cut after a plan change."""

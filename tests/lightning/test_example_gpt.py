@@ -13,7 +13,7 @@ TRAIN = Path(__file__).resolve().parents[2] / "examples" / "gpt" / "train.py"
 
 
 @pytest.mark.timeout(240)
-def test_gpt_example_trains_with_the_planners_plan() -> None:
+def test_gpt_example_trains_with_the_planners_plan(tmp_path: Path) -> None:
     args = [
         "--devices=2",
         "--max-steps=3",
@@ -26,7 +26,12 @@ def test_gpt_example_trains_with_the_planners_plan() -> None:
         "strategy.microbatch_size=2",
     ]
     run = subprocess.run(
-        [sys.executable, str(TRAIN), *args], capture_output=True, text=True, timeout=220, check=False
+        [sys.executable, str(TRAIN), *args],
+        cwd=tmp_path,  # where the run writes its files (the recovery event log)
+        capture_output=True,
+        text=True,
+        timeout=220,
+        check=False,
     )
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
     assert "Oobleck plan: 2 pipelines, f=1, global batch 8 = 4 x 2" in run.stdout
