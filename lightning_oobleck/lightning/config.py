@@ -37,10 +37,9 @@ class OobleckConfig:
     """torch.distributed backend; ``None`` picks gloo on CPU and NCCL on GPU."""
     collective_timeout_s: float = 60.0
     """Timeout of every collective and point-to-point transfer."""
-    heartbeat_interval_s: float = 0.5
-    """How often a worker reports that it is alive (used by recovery)."""
     heartbeat_timeout_s: float = 5.0
-    """A worker silent for this long is declared dead (used by recovery)."""
+    """A worker silent for this long is declared dead and fenced (it sends heartbeats 4 times as often).
+    Must exceed the longest time a worker's Python thread can be starved (e.g. a long GIL-holding call)."""
     plan_timeout_s: float = 300.0
     """How long workers wait for rank 0 to publish the plan (profiling and planning included)."""
     start_method: str = "forkserver"
