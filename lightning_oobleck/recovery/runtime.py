@@ -154,6 +154,8 @@ class Recovery:
         self.module = engine.module
         self.generation = engine.groups.generation
         self.worker = engine.groups.worker
+        self.members = agent.members
+        """The agreed membership of the generation this worker runs."""
         self._build_layers = partial(build_stage, layers, device=engine.device, seed=seed, dtype=dtype)
         self._copied: _Copied | None = None
         self._pending_groups: ProcessGroups | None = None
@@ -226,6 +228,7 @@ class Recovery:
         """
         detected = self.agent.aborted_at
         after = self.generation
+        interrupted: RecoveryEvent | None = None
         for attempt in range(1, self.max_attempts + 1):
             try:
                 membership = self.agent.agree(after, self.agreement_timeout)
@@ -234,12 +237,22 @@ class Recovery:
             after = membership.generation
             event = RecoveryEvent.from_membership(membership)
             event.detected_at = event.detected_at or detected
+            if self.members is not None:
+                # The coordinator's ``removed`` is relative to the previous *announced* generation; one
+                # whose agreement or recovery failed is folded into this event: say who left since the
+                # generation this worker ran.
+                event.removed = [list(w) for w in sorted(set(self.members.workers) - set(membership.workers))]
+            if interrupted is not None:
+                event.cause = "; ".join(c for c in (interrupted.cause, event.cause) if c)
+                event.detected_at = interrupted.detected_at
+            interrupted = event
             applied = self.ledger.applied
             try:
                 self._recover_to(membership, event)
             except (PeerFailure, dist.DistError) as e:
                 log.warning("recovery to generation %d failed (attempt %d): %s", after, attempt, e)
                 continue
+            self.members = membership
             if self.events is not None and membership.workers[0] == self.worker:
                 self.events.recovery(event, step=self.ledger.applied)
             caught_up = self.ledger.last_commit if self.ledger.applied > applied else None

@@ -1,10 +1,27 @@
 """The fault matrix through ``Trainer.fit(strategy="oobleck")``: real SIGKILL / SIGSTOP of workers.
 
-Six single-device nodes run 3 pipelines of 2 stages (f = 2, the planner's plan from ``six_node_plan``);
-float64, AdamW with a per-step LR schedule, gradient clipping active, shuffled data crossing an epoch.
-Each run loses several nodes one after another and must end normally with ``global_step == max_steps``,
-every sample of every counted global batch fed exactly once, and weights equal to single-process
-Lightning training on the same global batches (1e-9).
+Each run trains float64 ``TinyNet`` (AdamW with a per-step LR schedule, gradient clipping active,
+shuffled data crossing an epoch) on 6 or 7 processes with f = 2, and loses several nodes one after
+another, at a chosen moment of a chosen step: in a layer's forward, in a layer's backward, right after
+the stage issued its first gradient all-reduce, after the step's commit (before the optimizer update),
+or while the survivors recover from an earlier failure. It must end normally with
+``global_step == max_steps``, every sample of every counted global batch fed exactly once, weights equal
+to single-process Lightning training on the same global batches (1e-9), and recovery events that
+remove exactly the killed nodes.
+
+=================  ===========================================  ============================
+who                when                                         test
+=================  ===========================================  ============================
+rank 0 (first)     forward (SIGKILL)                            rank0_then_a_hung_first_stage
+last stage         optimizer step, after the commit (SIGKILL)   rank0_then_a_hung_first_stage
+first stage        forward (SIGSTOP: hang)                      rank0_then_a_hung_first_stage
+last + first       forward, f = 2 at once (SIGKILL)             two_nodes_at_once
+middle stage       backward (SIGKILL)                           middle_stage_...
+last stage         during the recovery from it (SIGKILL)        middle_stage_...
+first stage        gradient sync (SIGKILL)                      middle_stage_...
+whole node of 2    gradient sync (SIGKILL of one process)       whole_nodes_...
+whole node of 2    backward (SIGSTOP of one process)            whole_nodes_...
+=================  ===========================================  ============================
 """
 
 from __future__ import annotations
@@ -14,47 +31,88 @@ import os
 import signal
 import sys
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import lightning as L
 import pytest
 import torch
-from test_runtime import six_node_plan
 from torch.utils.data import DataLoader
 
 sys.path.insert(0, str(Path(__file__).parents[1] / "lightning"))
 from pipeline_testing import TinyNet, dataset
 
 from lightning_oobleck.lightning import GlobalBatchSampler, OobleckStrategy
+from lightning_oobleck.planning.cluster import ClusterSpec
+from lightning_oobleck.planning.plan import Plan
+from lightning_oobleck.planning.planner import make_plan
+from lightning_oobleck.planning.profile import LayerProfile, ModelProfile
 from lightning_oobleck.recovery import read_events
 from lightning_oobleck.recovery.fit import EVENTS_FILE
 
 SEED, STEPS, CLIP, GLOBAL_BATCH, MICRO, SAMPLES = 3, 5, 0.05, 12, 2, 36
 
+FORWARD, BACKWARD, GRAD_SYNC, OPTIMIZER, RECOVERY = (
+    "forward",
+    "backward",
+    "grad_sync",
+    "optimizer",
+    "recovery",
+)
 
-FORWARD, OPTIMIZER = "forward", "optimizer"
+
+class Fault(NamedTuple):
+    """A signal a worker sends itself at a moment (``when``) of a step; ``device`` picks the process of
+    the node."""
+
+    signal: int
+    when: str
+    device: int = 0
 
 
 class Faults(L.Callback):
-    """On node ``n`` at step ``s`` (``faults[(n, s)] = (signal, when)``), signal this very process a few
-    layers into the step's 1F1B (``FORWARD``) or after its commit, before the optimizer update
-    (``OPTIMIZER``); records, per counted step, the samples the pipeline's first stage fed."""
+    """On node ``n`` at step ``s`` (``faults[(n, s)] = Fault(...)``), signal this very process at the
+    fault's moment: a few layers into the step's 1F1B (``FORWARD``), at the step's second gradient
+    of a layer output (``BACKWARD``), right after issuing its first gradient bucket's all-reduce
+    (``GRAD_SYNC``), after its commit, before the optimizer update (``OPTIMIZER``), or once the new
+    generation's process groups are built in a recovery during that step (``RECOVERY``); records, per
+    counted step, the samples the pipeline's first stage fed."""
 
-    def __init__(self, out: Path, faults: dict[tuple[int, int], tuple[int, str]]) -> None:
+    def __init__(self, out: Path, faults: dict[tuple[int, int], Fault]) -> None:
         self.out, self.faults = out, faults
         self.fed: list[tuple[int, torch.Tensor]] = []
-        self.armed: tuple[int, str] | None = None
-        self.forwards = 0
+        self.armed: Fault | None = None
+        self.forwards = self.backwards = 0
 
     def on_fit_start(self, trainer: L.Trainer, module: L.LightningModule) -> None:
         torch.nn.modules.module.register_module_forward_pre_hook(self._on_forward)
-        self.node = trainer.strategy._environment().worker[0]
+        torch.nn.modules.module.register_module_forward_hook(self._after_forward)
+        self.worker = trainer.strategy._environment().worker
+        self.name = f"{self.worker[0]}.{self.worker[1]}"
         self.engine = lambda: trainer.strategy.engine
+        recovery = trainer.strategy._fit_recovery.recovery
+        build_groups = recovery._new_groups
+
+        def build_groups_then_fire(*args: Any) -> Any:
+            groups = build_groups(*args)
+            self._fire(RECOVERY)
+            return groups
+
+        recovery._new_groups = build_groups_then_fire
 
     def on_train_batch_start(self, trainer: L.Trainer, *args: Any) -> None:
         self.fed.clear()
-        self.forwards = 0
-        self.armed = self.faults.get((self.node, trainer.global_step))
+        self.forwards = self.backwards = 0
+        fault = self.faults.get((self.worker[0], trainer.global_step))
+        self.armed = fault if fault is not None and fault.device == self.worker[1] else None
+        if self.armed is not None and self.armed.when == GRAD_SYNC:
+            sync = self.engine()._grad_sync
+            issue = sync._issue
+
+            def issue_then_fire(bucket: Any) -> None:
+                issue(bucket)
+                self._fire(GRAD_SYNC)
+
+            sync._issue = issue_then_fire
 
     def _on_forward(self, layer: torch.nn.Module, args: tuple) -> None:
         engine = self.engine()
@@ -64,22 +122,31 @@ class Faults(L.Callback):
         if self.forwards == 3:
             self._fire(FORWARD)
 
+    def _after_forward(self, layer: torch.nn.Module, args: tuple, output: Any) -> None:
+        if self.armed is not None and self.armed.when == BACKWARD and getattr(output, "requires_grad", False):
+            output.register_hook(self._on_backward)
+
+    def _on_backward(self, grad: torch.Tensor) -> None:
+        self.backwards += 1
+        if self.backwards == 2:
+            self._fire(BACKWARD)
+
     def on_before_optimizer_step(self, *args: Any) -> None:
         self._fire(OPTIMIZER)
 
     def _fire(self, when: str) -> None:
-        if self.armed is not None and self.armed[1] == when:
-            (self.out / f"fault-{self.node}.json").write_text(json.dumps(self.armed))
-            os.kill(os.getpid(), self.armed[0])
+        if self.armed is not None and self.armed.when == when:
+            (self.out / f"fault-{self.name}.json").write_text(json.dumps(self.armed))
+            os.kill(os.getpid(), self.armed.signal)
 
     def on_train_batch_end(self, trainer: L.Trainer, *args: Any) -> None:
         counted = self.engine().groups.generation  # an attempt interrupted by a recovery does not count
         rows = [r for g, rows in self.fed if g == counted for r in rows.tolist()]
-        with open(self.out / f"fed-{self.node}.jsonl", "a") as f:
+        with open(self.out / f"fed-{self.name}.jsonl", "a") as f:
             f.write(json.dumps({"step": trainer.global_step - 1, "rows": rows}) + "\n")
 
     def on_train_end(self, trainer: L.Trainer, module: L.LightningModule) -> None:
-        torch.save(dict(module.state_dict()), self.out / f"final-{self.node}.pt")
+        torch.save(dict(module.state_dict()), self.out / f"final-{self.name}.pt")
 
 
 def trainer_kwargs(tmp_path: Path, callbacks: list) -> dict:
@@ -107,13 +174,31 @@ def reference(tmp_path_factory: pytest.TempPathFactory) -> dict[str, torch.Tenso
     return dict(model.state_dict())
 
 
-def fit_with_faults(tmp_path: Path, faults: dict[tuple[int, int], tuple[int, str]]) -> L.Trainer:
+def planned(num_nodes: int, devices_per_node: int = 1) -> Plan:
+    """The planner's plan (f = 2) of the 6 layers of ``TinyNet`` (equal profiles, 3 fit on a device) on
+    ``num_nodes`` nodes: 3 pipelines of 2 stages on 6 nodes, of 3 + 2 + 2 stages on 7, and one pipeline
+    per node on 3 nodes of 2 devices."""
+    layers = tuple(LayerProfile(1e-3, 2e-3, 1000, 100, 100) for _ in range(6))
+    return make_plan(
+        ModelProfile(layers, microbatch_size=MICRO),
+        ClusterSpec(num_nodes=num_nodes, gpus_per_node=devices_per_node, device_memory_bytes=20_000),
+        fault_tolerance=2,
+        global_batch_size=GLOBAL_BATCH,
+    )
+
+
+def fit_with_faults(
+    tmp_path: Path, faults: dict[tuple[int, int], Fault], num_nodes: int = 6, devices_per_node: int = 1
+) -> L.Trainer:
+    """Train on the plan of ``planned(num_nodes, devices_per_node)``, one process per device, with
+    ``faults``."""
     plan_path = tmp_path / "plan.json"
-    plan_path.write_text(six_node_plan().to_json())
+    plan_path.write_text(planned(num_nodes, devices_per_node).to_json())
     strategy = OobleckStrategy(
+        plan_path=str(plan_path),
+        devices_per_node=devices_per_node,
         global_batch_size=GLOBAL_BATCH,
         microbatch_size=MICRO,
-        plan_path=str(plan_path),
         fault_tolerance=2,
         seed=SEED,
         start_method="forkserver",
@@ -121,21 +206,34 @@ def fit_with_faults(tmp_path: Path, faults: dict[tuple[int, int], tuple[int, str
         heartbeat_timeout_s=4.0,
     )
     loader = DataLoader(dataset(SAMPLES, seed=1, dtype=torch.float64), batch_size=GLOBAL_BATCH, shuffle=True)
-    trainer = L.Trainer(devices=6, strategy=strategy, **trainer_kwargs(tmp_path, [Faults(tmp_path, faults)]))
+    callbacks = [Faults(tmp_path, faults)]
+    trainer = L.Trainer(
+        devices=num_nodes * devices_per_node, strategy=strategy, **trainer_kwargs(tmp_path, callbacks)
+    )
     model = TinyNet()
     trainer.fit(model, loader)
     return trainer
 
 
-def check(trainer: L.Trainer, tmp_path: Path, reference: dict[str, torch.Tensor], dead: set[int]) -> None:
+def check(
+    trainer: L.Trainer,
+    tmp_path: Path,
+    reference: dict[str, torch.Tensor],
+    dead: set[int],
+    num_nodes: int = 6,
+    devices_per_node: int = 1,
+) -> None:
+    """The run's properties (see the module docstring) when the nodes ``dead`` were killed."""
     assert trainer.state.finished and trainer.global_step == STEPS
-    assert {int(p.stem[6:]) for p in tmp_path.glob("fault-*.json")} == dead
-    survivors = set(range(6)) - dead
-    for node in survivors:
-        weights = torch.load(tmp_path / f"final-{node}.pt")
+    assert {int(p.stem.split("-")[1].split(".")[0]) for p in tmp_path.glob("fault-*.json")} == dead
+    workers = {divmod(rank, devices_per_node) for rank in range(num_nodes * devices_per_node)}
+    survivors = {w for w in workers if w[0] not in dead}
+    assert {tuple(map(int, p.stem[6:].split("."))) for p in tmp_path.glob("final-*.pt")} == survivors
+    for node, device in survivors:
+        weights = torch.load(tmp_path / f"final-{node}.{device}.pt")
         for name, value in weights.items():
             torch.testing.assert_close(
-                value, reference[name], rtol=0, atol=1e-9, msg=f"{name} on node {node}"
+                value, reference[name], rtol=0, atol=1e-9, msg=f"{name} on worker {(node, device)}"
             )
     # Every sample of every counted global batch was fed exactly once.
     data = dataset(SAMPLES, seed=1, dtype=torch.float64).tensors[0]
@@ -149,6 +247,11 @@ def check(trainer: L.Trainer, tmp_path: Path, reference: dict[str, torch.Tensor]
         epoch, index = divmod(step, len(sampler))
         expected = sorted(tuple(data[i].tolist()) for i in sampler.global_batch(epoch, index))
         assert sorted(fed[step]) == expected, f"step {step}"
+    # The recoveries removed exactly the workers of the killed nodes, every one of them, once.
+    _, recoveries = read_events(tmp_path / EVENTS_FILE)
+    removed = [tuple(w) for e in recoveries for w in e.removed]
+    assert sorted(removed) == sorted(workers - survivors)
+    assert all(e.removed and e.resumed_at is not None for e in recoveries)
 
 
 @pytest.mark.timeout(300)
@@ -157,9 +260,9 @@ def test_rank0_then_a_hung_first_stage(tmp_path: Path, reference: dict[str, torc
     commit of step 2, before its optimizer update (the step counts: nothing is redone); node 4 (a first
     stage) hangs (SIGSTOP) mid-step 3 and is fenced after the heartbeat timeout."""
     faults = {
-        (0, 1): (signal.SIGKILL, FORWARD),
-        (5, 2): (signal.SIGKILL, OPTIMIZER),
-        (4, 3): (signal.SIGSTOP, FORWARD),
+        (0, 1): Fault(signal.SIGKILL, FORWARD),
+        (5, 2): Fault(signal.SIGKILL, OPTIMIZER),
+        (4, 3): Fault(signal.SIGSTOP, FORWARD),
     }
     trainer = fit_with_faults(tmp_path, faults)
     check(trainer, tmp_path, reference, dead={0, 4, 5})
@@ -167,13 +270,50 @@ def test_rank0_then_a_hung_first_stage(tmp_path: Path, reference: dict[str, torc
     # until it is declared dead, and one recovery removes both.
     _, recoveries = read_events(tmp_path / EVENTS_FILE)
     assert [w[0] for w in recoveries[0].removed] == [0] and len(recoveries) in (2, 3)
-    assert all(e.resumed_at is not None and {w[0] for w in e.removed} <= {0, 4, 5} for e in recoveries)
 
 
 @pytest.mark.timeout(300)
 def test_two_nodes_at_once_then_a_last_stage(tmp_path: Path, reference: dict[str, torch.Tensor]) -> None:
     """f = 2: a last stage (node 1) and a first stage (node 2) of two pipelines die together mid-step 1;
     then the last stage node 3 dies mid-step 3."""
-    kill = (signal.SIGKILL, FORWARD)
+    kill = Fault(signal.SIGKILL, FORWARD)
     trainer = fit_with_faults(tmp_path, {(1, 1): kill, (2, 1): kill, (3, 3): kill})
     check(trainer, tmp_path, reference, dead={1, 2, 3})
+
+
+@pytest.mark.timeout(300)
+def test_middle_stage_in_backward_a_kill_during_its_recovery_then_a_gradient_sync(
+    tmp_path: Path, reference: dict[str, torch.Tensor]
+) -> None:
+    """7 nodes: pipeline 0 has 3 stages (nodes 0, 1, 2), pipelines 1 and 2 have 2 (nodes 3-4, 5-6).
+    The middle stage (node 1) is SIGKILLed in its backward of step 1; node 4 (a last stage) once the
+    survivors' new process groups are built in the recovery from it, before the state copy; node 5 (a
+    first stage) right after issuing its first gradient all-reduce of step 3 (by then nodes 0, 3, 2 form
+    a 3-stage pipeline with layers copied in, and nodes 5, 6 a 2-stage one)."""
+    faults = {
+        (1, 1): Fault(signal.SIGKILL, BACKWARD),
+        (4, 1): Fault(signal.SIGKILL, RECOVERY),
+        (5, 3): Fault(signal.SIGKILL, GRAD_SYNC),
+    }
+    assert [p.nodes for p in planned(7).pipelines] == [(0, 1, 2), (3, 4), (5, 6)]
+    trainer = fit_with_faults(tmp_path, faults, num_nodes=7)
+    check(trainer, tmp_path, reference, dead={1, 4, 5}, num_nodes=7)
+    # The recovery from node 1 failed with node 4 and was redone without it: one event removes both.
+    _, recoveries = read_events(tmp_path / EVENTS_FILE)
+    assert [sorted(w[0] for w in e.removed) for e in recoveries] == [[1, 4], [5]]
+
+
+@pytest.mark.timeout(300)
+def test_whole_nodes_of_two_processes(tmp_path: Path, reference: dict[str, torch.Tensor]) -> None:
+    """3 nodes of 2 processes, one 2-stage pipeline each. Device 0 of node 1 is SIGKILLed right after
+    issuing its first gradient all-reduce of step 1: node 1 is out, its device 1 fenced. Device 1 of
+    node 2 hangs (SIGSTOP) in its backward of step 3: after the heartbeat timeout node 2 is out, both
+    its processes fenced; node 0 trains on alone."""
+    faults = {
+        (1, 1): Fault(signal.SIGKILL, GRAD_SYNC, device=0),
+        (2, 3): Fault(signal.SIGSTOP, BACKWARD, device=1),
+    }
+    trainer = fit_with_faults(tmp_path, faults, num_nodes=3, devices_per_node=2)
+    check(trainer, tmp_path, reference, dead={1, 2}, num_nodes=3, devices_per_node=2)
+    _, recoveries = read_events(tmp_path / EVENTS_FILE)
+    assert [sorted(map(tuple, e.removed)) for e in recoveries] == [[(1, 0), (1, 1)], [(2, 0), (2, 1)]]
