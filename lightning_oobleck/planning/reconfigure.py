@@ -32,7 +32,7 @@ from typing import Any
 
 from lightning_oobleck.planning.node_spec import max_parts, split_into
 from lightning_oobleck.planning.plan import LayerCopy, PipelineTemplate, Plan
-from lightning_oobleck.planning.planner import PlannerInputs, assemble_plan
+from lightning_oobleck.planning.planner import PlannerInputs, PlanningError, assemble_plan
 
 Worker = tuple[int, int]
 
@@ -156,7 +156,7 @@ def _copies(plan: Plan, new_plan: Plan, alive: set[int]) -> tuple[LayerCopy, ...
 def _finish(
     plan: Plan, groups: list[list[int]], layout: _Layout, alive: set[int], started: float, next_node_id: int
 ) -> Reconfiguration:
-    inputs = PlannerInputs.from_plan(plan)
+    inputs = _planner_inputs(plan)
     requested = inputs.fault_tolerance
     total = sum(map(len, groups))
     tolerance = min(requested, len(groups) - 1)
@@ -184,8 +184,21 @@ def _finish(
     return Reconfiguration(new_plan, _copies(plan, new_plan, alive))
 
 
+def _planner_inputs(plan: Plan) -> PlannerInputs:
+    """The inputs the plan was made from; a plan without them (a hand-written layout) cannot be re-planned."""
+    try:
+        return PlannerInputs.from_plan(plan)
+    except PlanningError as e:
+        raise ReconfigurationError(
+            f"{e}. A hand-written layout has no templates for other node counts, so training cannot "
+            "continue in place after a failure: resume from the last checkpoint (Trainer.fit(ckpt_path=...)) "
+            "and run a planner's plan (no `layout`, or `plan_path` from `oobleck plan --json`) to recover "
+            "in place"
+        ) from e
+
+
 def _target(plan: Plan, layout: _Layout, total_nodes: int) -> int:
-    requested = PlannerInputs.from_plan(plan).fault_tolerance
+    requested = _planner_inputs(plan).fault_tolerance
     return min(requested + 1, max_parts(layout.sizes, total_nodes), plan.num_microbatches)
 
 

@@ -24,6 +24,7 @@ from lightning_oobleck.planning import (
     make_plan,
     synthetic_gpt_profile,
 )
+from lightning_oobleck.planning.plan import Pipeline, PipelineTemplate, Stage
 
 # Two small models: the first fits one 48 GB device (n0 = 1), the second needs two 32 GB ones (n0 = 2).
 _MODELS = {
@@ -181,3 +182,12 @@ def test_sequences_of_failures_and_joins_keep_the_invariants(n0, nodes, f, event
             result = after_joins(plan, -event)
             check_reconfiguration(plan, set(), result, added=-event)
         plan = result.plan
+
+
+def test_a_hand_written_layout_cannot_be_replanned_and_says_how_to_resume():
+    template = PipelineTemplate(1, 1, (Stage(0, 4, 0),), (1.0,))
+    pipelines = tuple(Pipeline(template, (node,), 2) for node in range(3))
+    layout = Plan(4, 1, 1, 1, 1, 6, (template,), pipelines)  # no planner inputs in `extra`
+    resume_hint = r"(?i)hand-written layout .*Trainer\.fit\(ckpt_path=\.\.\.\)"
+    with pytest.raises(ReconfigurationError, match=resume_hint):
+        after_failures(layout, {1})

@@ -194,10 +194,13 @@ def test_two_nodes_at_once_then_sigstop(tmp_path: Path) -> None:
         tmp_path, steps, {1: ["kill-forward:1"], 2: ["kill-forward:1"], 4: ["stop-forward:3"]}
     )
     check_run(result, steps, dead={1, 2, 4})
-    history = result["history"]
-    assert [sorted(w.node for w in m.removed) for m in history[1:]] == [[1, 2], [4]]
+    # The two deaths of step 1 fold into one generation when the coordinator sees both within its settle
+    # window; on a loaded machine they may land in two. Either way each node is removed exactly once, by
+    # a recovery that resumed, and the hang of step 3 comes last.
     _, recoveries = read_events(tmp_path / "run.jsonl")
-    assert [e.generation for e in recoveries] == [1, 2]
+    removed = [sorted(w[0] for w in e.removed) for e in recoveries]
+    assert sorted(n for nodes in removed[:-1] for n in nodes) == [1, 2] and removed[-1] == [4]
+    assert all(e.resumed_at is not None for e in recoveries)
 
 
 @pytest.mark.timeout(RUN_TIMEOUT_S + 60)
