@@ -450,16 +450,21 @@ class OobleckStrategy(ParallelStrategy, PipelineExecutor):
     ) -> None:
         """Collective: each layer's weights and optimizer state once (DCP), Lightning's metadata by rank 0."""
         groups = self._require_groups()
-        metadata = {k: v for k, v in checkpoint.items() if k not in ("state_dict", "optimizer_states")}
-        # Lightning insists on the key when it restores; the optimizer state itself lives in the shards.
-        metadata["optimizer_states"] = []
         save_sharded(
             filepath,
             self.engine.module,
             self.optimizers,
-            metadata,
+            self.checkpoint_metadata(checkpoint),
             is_writer_for_layer=lambda layer: groups.plan.layer_owners(layer)[0] == groups.worker,
         )
+
+    @staticmethod
+    def checkpoint_metadata(checkpoint: Mapping[str, Any]) -> dict[str, Any]:
+        """What a sharded checkpoint stores beside its shards: Lightning's ``checkpoint`` minus tensors."""
+        metadata = {k: v for k, v in checkpoint.items() if k not in ("state_dict", "optimizer_states")}
+        # Lightning insists on the key when it restores; the optimizer state itself lives in the shards.
+        metadata["optimizer_states"] = []
+        return metadata
 
     def load_checkpoint(
         self, checkpoint_path: str | Path, weights_only: bool | None = None

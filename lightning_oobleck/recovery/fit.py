@@ -85,6 +85,7 @@ class FitRecovery:
             group_timeout=engine.groups.timeout,
             agreement_timeout=max(30.0, engine.groups.timeout.total_seconds()),
             checkpoint_dir=Path(trainer.default_root_dir) / "oobleck-survivors",
+            checkpoint_metadata=self._checkpoint_metadata,
             events=self.events,
         )
         self.committed: list[float] = [0.0, 0.0]
@@ -182,6 +183,13 @@ class FitRecovery:
             sampler.share.start : sampler.share.stop
         ]
         return self.strategy.batch_to_device(loader.collate_fn([loader.dataset[i] for i in indices]))
+
+    def _checkpoint_metadata(self) -> dict[str, Any]:
+        """Lightning's checkpoint entries now, in the interrupted step: its loops count the batch as started
+        but not completed and the data position (advanced only after an optimizer step) is this batch,
+        so ``Trainer.fit(ckpt_path=...)`` redoes exactly this step."""
+        checkpoint = self.trainer._checkpoint_connector.dump_checkpoint(weights_only=False)
+        return self.strategy.checkpoint_metadata(checkpoint)
 
     def _make_optimizer(self, stage: StageModule) -> torch.optim.Optimizer:
         module = self.strategy.lightning_module

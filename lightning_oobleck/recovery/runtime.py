@@ -68,6 +68,10 @@ OptimizerFactory = Callable[[StageModule], torch.optim.Optimizer]
 ApplyUpdate = Callable[[torch.optim.Optimizer, float], None]
 """Applies one step's update given the global squared gradient norm (clip, ``step()``, scheduler...)."""
 
+CheckpointMetadata = Callable[[], dict[str, Any]]
+"""The non-tensor entries of a survivors' checkpoint (e.g. Lightning's loops, schedulers, data position),
+taken mid-step: the interrupted step must be the one a resume starts with."""
+
 
 class UnrecoverableFailure(RuntimeError):
     """Training cannot continue in place; the message says how to resume."""
@@ -130,6 +134,7 @@ class Recovery:
         agreement_timeout: float = 60.0,
         max_attempts: int = 4,
         checkpoint_dir: str | Path | None = None,
+        checkpoint_metadata: CheckpointMetadata | None = None,
         events: EventLog | None = None,
     ) -> None:
         if engine.abort is not agent.abort:
@@ -148,6 +153,7 @@ class Recovery:
         self.agreement_timeout = agreement_timeout
         self.max_attempts = max_attempts
         self.checkpoint_dir = Path(checkpoint_dir) if checkpoint_dir is not None else None
+        self.checkpoint_metadata = checkpoint_metadata or (lambda: {"global_step": self.ledger.applied})
         self.events = events
         self.ledger = StepLedger()
         self.plan = engine.plan
@@ -276,7 +282,7 @@ class Recovery:
         try:
             reconfiguration = after_failures(self.plan, failed)
         except ReconfigurationError as e:
-            self._checkpoint_and_stop(membership, e)
+            self._checkpoint_and_stop(membership, records, e)
         event.mark("replanned")
         groups = self._pending_groups = self._new_groups(reconfiguration.plan, membership.generation)
         event.mark("rebuilt")
@@ -377,7 +383,18 @@ class Recovery:
         self.optimizer, self.module, self.plan = optimizer, copied.module, copied.plan
         self.generation = copied.generation
 
-    def _checkpoint_and_stop(self, membership: Membership, error: ReconfigurationError) -> None:
+    def _checkpoint_and_stop(
+        self,
+        membership: Membership,
+        records: dict[tuple[int, int], dict[str, Any]],
+        error: ReconfigurationError,
+    ) -> None:
+        """Write a checkpoint of the survivors' settled step (every layer once), then raise.
+
+        ``checkpoint_metadata`` is written by group rank 0, which is a survivor that had applied the
+        newest step before :meth:`_settle_step`: a worker that caught up there applied the interrupted
+        step's update while its caller still stands in that step, so its metadata would redo the step.
+        """
         alive = set(membership.nodes)
         writer = {
             layer: next((w for w in self.plan.layer_owners(layer) if w[0] in alive), None)
@@ -392,10 +409,15 @@ class Recovery:
         from lightning_oobleck.lightning.checkpoint import save_sharded  # imports Lightning: only here
 
         path = self.checkpoint_dir / f"survivors-step{self.ledger.applied}"
+        newest = max(r["applied"] for r in records.values())
+        order = sorted(records, key=lambda w: (records[w]["applied"] != newest, w))
+        rank = order.index(self.worker)
+        # Taken outside the checkpoint's group: a collective in a user's checkpoint hook fails, not hangs.
+        metadata = self.checkpoint_metadata() if rank == 0 else {}
         dist.init_process_group(
             self.backend,
             store=dist.PrefixStore(f"gen{membership.generation}/checkpoint/", self.store),
-            rank=membership.rank(self.worker),
+            rank=rank,
             world_size=membership.world_size,
             timeout=self.group_timeout,
         )
@@ -404,7 +426,7 @@ class Recovery:
                 path,
                 self.module,
                 [self.optimizer],
-                {"global_step": self.ledger.applied},
+                metadata,
                 is_writer_for_layer=lambda layer: writer[layer] == self.worker,
             )
         finally:
