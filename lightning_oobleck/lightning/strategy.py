@@ -305,6 +305,11 @@ class OobleckStrategy(ParallelStrategy, PipelineExecutor):
         assert self.model is not None
         self.model.to(self.root_device)
 
+    def on_train_start(self) -> None:
+        super().on_train_start()
+        if self._fit_recovery is not None:  # after a checkpoint restore: count steps as Lightning does
+            self._fit_recovery.recovery.start_at(self.lightning_module.trainer.global_step)
+
     def teardown(self) -> None:
         if self._groups is not None:
             self._groups.destroy()

@@ -220,6 +220,10 @@ class Recovery:
         self.apply_update(self.optimizer, committed[0])
         self.advance(committed)
 
+    def start_at(self, step: int) -> None:
+        """Number the steps from ``step`` (a fit resumed from a checkpoint starts past 0)."""
+        self.ledger = StepLedger(step)
+
     def advance(self, committed: list[float]) -> None:
         """Record that the committed step was applied (by :meth:`apply` or by the caller itself)."""
         self.module.zero_grad(set_to_none=True)

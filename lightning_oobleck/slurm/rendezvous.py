@@ -1,11 +1,13 @@
-"""The job's rendezvous store, run on the SLURM batch host: ``python -m lightning_oobleck.slurm.rendezvous``.
+"""The job's supervisor, run on the SLURM batch host: ``python -m lightning_oobleck.slurm.rendezvous``.
 
-The batch script starts it in the background before ``srun`` and exports its address to every task as
-``OOBLECK_STORE_ADDR=host:port`` (read by :mod:`lightning_oobleck.lightning.environment`). It hosts a
-``torch.distributed.TCPStore`` (the store all ranks rendezvous through, generation after generation) in a
-process of its own, so that the loss of any training task, rank 0 included, leaves it running. Its host, the
-batch host, is the job's single point of failure: SLURM keeps a job whose batch host died in RUNNING until
-its ``--time`` ends, which is why the time limit is mandatory.
+The batch script starts it in the background before ``srun`` and exports its two addresses to every task:
+``OOBLECK_STORE_ADDR=host:port``, a ``torch.distributed.TCPStore`` (the store all ranks rendezvous through,
+generation after generation; read by :mod:`lightning_oobleck.lightning.environment`), and
+``OOBLECK_COORDINATOR_ADDR=host:port``, the recovery :class:`~lightning_oobleck.recovery.Coordinator` (the
+failure detector and membership authority each task's ``WorkerAgent`` connects to). Both live in a process of
+their own, so that the loss of any training task, rank 0 included, leaves them running. Its host, the batch
+host, is the job's single point of failure: SLURM keeps a job whose batch host died in RUNNING until its
+``--time`` ends, which is why the time limit is mandatory.
 
 Two ways to run it::
 
@@ -13,10 +15,12 @@ Two ways to run it::
     exports=$(python -m lightning_oobleck.slurm.rendezvous --detach --watch-pid $$ --log FILE) || exit 1
     eval "$exports"
 
-The first prints one line of shell, ``export OOBLECK_STORE_ADDR=host:port``, then serves until process PID
+The first prints one line of shell,
+``export OOBLECK_STORE_ADDR=host:port OOBLECK_COORDINATOR_ADDR=host:port``, then serves until process PID
 (the batch shell) is gone or it receives SIGTERM/SIGINT. ``--detach`` starts the first form in a new session
-with its output in FILE, prints that line once the store listens, and returns. Batch scripts ``eval`` the line
-rather than parse it, so that whatever this process comes to serve (and export) needs no change to them.
+with its output in FILE, prints that line once both listen, and returns. Batch
+scripts ``eval`` the line rather than parse it, so that whatever this process comes to serve (and export)
+needs no change to them.
 """
 
 from __future__ import annotations
@@ -24,6 +28,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import datetime
+import logging
 import os
 import selectors
 import shlex
@@ -37,25 +42,48 @@ from collections.abc import Sequence
 MODULE = "lightning_oobleck.slurm.rendezvous"
 """The entry point's module name (stable: batch scripts name it)."""
 STORE_ADDR_VAR = "OOBLECK_STORE_ADDR"
+WORLD_SIZE_VAR = "SLURM_NTASKS"
+"""Where ``--world-size`` comes from by default: the job's task count, as the batch script sees it."""
 STARTUP_TIMEOUT_S = 60.0
 """How long ``--detach`` waits for the server to listen (a cold ``import torch`` on a busy node is slow)."""
 
 
-def serve(host: str, port: int, watch_pid: int | None, poll_s: float = 1.0) -> None:
-    """Host the store on ``port`` (0: any free port), print the ``export`` line, serve until told to stop."""
+def serve(
+    host: str,
+    port: int,
+    world_size: int,
+    watch_pid: int | None,
+    heartbeat_timeout_s: float,
+    poll_s: float = 1.0,
+) -> None:
+    """Host the store on ``port`` (0: any free port) and a coordinator for ``world_size`` workers (any free
+    port), print the ``export`` line, serve until told to stop."""
     # Imported here, not at the top: ``--detach`` returns the address sooner without torch's import.
     from torch.distributed import TCPStore
 
+    from lightning_oobleck.recovery import ADDRESS_ENV, Coordinator
+
+    # The coordinator's registrations, deaths and generations go to this process's log (``--log``).
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s", stream=sys.stderr)
     store = TCPStore(
         host, port, is_master=True, wait_for_workers=False, timeout=datetime.timedelta(seconds=30)
     )
-    print(f"export {STORE_ADDR_VAR}={shlex.quote(f'{host}:{store.port}')}", flush=True)
+    # Fenced workers on this host are SIGKILLed so that their gloo peers see them gone at once; tasks on
+    # other hosts fence themselves.
+    coordinator = Coordinator(
+        world_size, advertise_host=host, heartbeat_timeout=heartbeat_timeout_s, kill_fenced=True
+    ).start()
+    exports = {STORE_ADDR_VAR: f"{host}:{store.port}", ADDRESS_ENV: coordinator.address}
+    print("export " + " ".join(f"{k}={shlex.quote(v)}" for k, v in exports.items()), flush=True)
     stop = threading.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: stop.set())
-    while not stop.wait(poll_s):
-        if watch_pid is not None and not _alive(watch_pid):
-            break
+    try:
+        while not stop.wait(poll_s):
+            if watch_pid is not None and not _alive(watch_pid):
+                break
+    finally:
+        coordinator.stop()
 
 
 def detach(argv: Sequence[str], log_path: str, timeout_s: float = STARTUP_TIMEOUT_S) -> str:
@@ -92,13 +120,28 @@ def _alive(pid: int) -> bool:
     return True
 
 
+def _env_int(name: str) -> int | None:
+    value = os.environ.get(name, "")
+    return int(value) if value.isdigit() else None
+
+
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog=f"python -m {MODULE}",
-        description=f"Host the job's rendezvous TCPStore; print 'export {STORE_ADDR_VAR}=host:port'.",
+        description=f"Host the job's rendezvous TCPStore and recovery coordinator; print the line that "
+        f"exports their addresses ({STORE_ADDR_VAR}, OOBLECK_COORDINATOR_ADDR).",
     )
     parser.add_argument("--host", default=socket.gethostname(), help="name the tasks reach this host by")
     parser.add_argument("--port", type=int, default=0, help="port to listen on (default 0: any free port)")
+    parser.add_argument(
+        "--world-size",
+        type=int,
+        default=_env_int(WORLD_SIZE_VAR),
+        help=f"worker processes at start (default: ${WORLD_SIZE_VAR})",
+    )
+    parser.add_argument(
+        "--heartbeat-timeout", type=float, default=5.0, help="seconds of silence after which a worker is dead"
+    )
     parser.add_argument("--watch-pid", type=int, help="exit when this process (the batch shell) is gone")
     parser.add_argument(
         "--detach", action="store_true", help="serve in the background; print the export line"
@@ -109,9 +152,15 @@ def _parser() -> argparse.ArgumentParser:
 
 def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
-    args = _parser().parse_args(argv)
+    parser = _parser()
+    args = parser.parse_args(argv)
+    if args.world_size is None or args.world_size < 1:
+        parser.error(
+            f"no world size: pass --world-size N (the number of tasks) or run inside a job ({WORLD_SIZE_VAR})"
+        )
     if args.detach:
-        serve_argv = ["--host", args.host, "--port", str(args.port)]
+        serve_argv = ["--host", args.host, "--port", str(args.port), "--world-size", str(args.world_size)]
+        serve_argv += ["--heartbeat-timeout", str(args.heartbeat_timeout)]
         if args.watch_pid is not None:
             serve_argv += ["--watch-pid", str(args.watch_pid)]
         try:
@@ -121,7 +170,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             return 1
         return 0
     with contextlib.suppress(KeyboardInterrupt):
-        serve(args.host, args.port, args.watch_pid)
+        serve(args.host, args.port, args.world_size, args.watch_pid, args.heartbeat_timeout)
     return 0
 
 

@@ -14,8 +14,8 @@ The job runs with ``--no-kill --no-requeue`` and its step with ``srun --no-kill 
 --wait=0``: a crashed node takes only its own tasks down, the job is neither cancelled nor requeued, and the
 survivors' in-process recovery carries the training on. SLURM tells the survivors nothing and ``srun`` still
 exits 0, so which tasks were lost is read here from accounting (the job's rows before and after it shrank)
-and from the tasks that left no result. The rendezvous store is started on the batch host by the batch
-script's setup lines (see :mod:`lightning_oobleck.slurm.rendezvous`).
+and from the tasks that left no result. The rendezvous store and the recovery coordinator are started on the
+batch host by the batch script's setup lines (see :mod:`lightning_oobleck.slurm.rendezvous`).
 """
 
 from __future__ import annotations
@@ -132,7 +132,7 @@ def _task(config: SubmitConfig, function: Callable[[], Any] | None) -> Callable[
 
 
 def rendezvous_setup_lines(log_dir: Path) -> list[str]:
-    """Batch-script lines that start the rendezvous store on the batch host and export its address."""
+    """Batch-script lines that start store and coordinator on the batch host, exporting their addresses."""
     log = shlex.quote(str(log_dir)) + '/"$SLURM_JOB_ID"/rendezvous.log'
     start = f"{shlex.quote(sys.executable)} -m {rendezvous.MODULE} --detach --watch-pid $$ --log {log}"
     return [f"oobleck_exports=$({start}) || exit 1", 'eval "$oobleck_exports"']

@@ -5,14 +5,16 @@ from __future__ import annotations
 import runpy
 import sys
 from dataclasses import dataclass
+from pathlib import Path
 
 
 @dataclass(frozen=True)
 class ScriptTask:
     """Runs a training script as ``__main__`` inside the submitit task, with ``sys.argv = [script, *args]``.
 
-    Returns 0 when the script ends normally or with ``sys.exit(0)``; another exit status is raised as an
-    error, so that submitit records the task as failed.
+    The script's directory comes first on ``sys.path``, as ``python SCRIPT`` would put it, so that the script
+    imports its neighbours. Returns 0 when the script ends normally or with ``sys.exit(0)``; another exit
+    status is raised as an error, so that submitit records the task as failed.
     """
 
     script: str
@@ -20,6 +22,7 @@ class ScriptTask:
 
     def __call__(self) -> int:
         sys.argv = [self.script, *self.args]
+        sys.path.insert(0, str(Path(self.script).parent))
         try:
             runpy.run_path(self.script, run_name="__main__")
         except SystemExit as e:

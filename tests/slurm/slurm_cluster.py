@@ -10,7 +10,6 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[2]
 SCRIPTS = REPO / "slurm"
-STANDIN = Path(__file__).with_name("standin_training.py")
 NODES = 3
 SCRIPT_TIMEOUT_S = 120
 
