@@ -21,6 +21,7 @@ from datetime import timedelta
 from torch.distributed import Work
 
 from lightning_oobleck.execution.errors import PeerFailure
+from lightning_oobleck.execution.exit_guard import outlive
 
 _PEER_LOST = ("connection reset", "connection closed", "broken pipe", "connection refused", "timed out")
 """Fragments of gloo/c10d error messages that mean a peer died or went silent."""
@@ -120,3 +121,5 @@ class CommWaiter:
         self._requests.put(None)
         if self.broken is None:
             self._thread.join(timeout=self.timeout_s)
+        else:
+            outlive(self._thread)
