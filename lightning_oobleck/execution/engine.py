@@ -195,8 +195,8 @@ class PipelineEngine:
         A layer counts on its replica in the lowest-index pipeline; all-reduce (sum) the result over
         the default group to get the global squared norm.
         """
-        total = torch.zeros((), dtype=torch.float64, device=self.device)
-        for p in self._counted:
-            if p.grad is not None:
-                total += p.grad.detach().double().pow(2).sum()
-        return total
+        grads = [p.grad.detach() for p in self._counted if p.grad is not None]
+        if not grads:
+            return torch.zeros((), dtype=torch.float64, device=self.device)
+        # One fused pass over the gradients, in their own dtype, as clip_grad_norm_ computes its norm.
+        return torch.nn.utils.get_total_norm(grads, 2.0, foreach=True).double().square()
