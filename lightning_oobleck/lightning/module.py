@@ -120,7 +120,9 @@ class PipelineModule:
 
     def training_step(self, batch: Any, batch_idx: int) -> Tensor:
         loss = self.pipeline_loss(batch)
-        self.log("train_loss", loss, prog_bar=True, sync_dist=True)
+        # Already the global mean on every rank (the step commit summed it): no collective here, which
+        # recovery could not interrupt if a peer died right after the commit.
+        self.log("train_loss", loss, prog_bar=True)
         return loss
 
     def validation_step(self, batch: Any, batch_idx: int) -> Tensor:

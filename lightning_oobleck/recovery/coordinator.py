@@ -101,6 +101,8 @@ class _Connection:
     last_heard: float = 0.0
     suspicion: str | None = None
     closed: bool = False
+    ended_by_peer: bool = False
+    """Its end closed or reset: the process is gone, so its pid may already belong to another one."""
     writing: bool = False
 
 
@@ -282,9 +284,11 @@ class Coordinator:
         except BlockingIOError:
             return
         except OSError as e:
+            conn.ended_by_peer = True
             self._drop(conn, f"its connection failed ({e.strerror or e}): the process died")
             return
         if not data:
+            conn.ended_by_peer = True
             self._drop(conn, "its connection closed: the process died")
             return
         conn.last_heard = time.monotonic()
@@ -374,12 +378,12 @@ class Coordinator:
             why = reason if w == worker else f"node {node} is out because worker {tuple(worker)}: {reason}"
             log.warning("worker %s declared dead: %s", tuple(w), why)
             conn = self._alive.pop(w)
-            self._send(conn, "fenced", reason=why)
-            if not conn.closed:
-                self._kill_if_local(conn)
-            self._close(conn)
             with self._lock:
                 self._deaths.append(Death(w, why, now, generation))
+            self._send(conn, "fenced", reason=why)
+            if not (conn.closed or conn.ended_by_peer):
+                self._kill_if_local(conn)
+            self._close(conn)
         if self._current is None:
             self._lost_before_start += len(victims)
             if self._alive and len(self._alive) + self._lost_before_start >= self.world_size:
@@ -528,9 +532,10 @@ class Coordinator:
         self._close(conn)
 
     def _drop(self, conn: _Connection, reason: str) -> None:
-        self._close(conn)
+        # Declared dead (and recorded) before its connection closes: whoever sees the close sees the death.
         if conn.worker is not None and self._alive.get(conn.worker) is conn:
             self._declare_dead(conn.worker, reason)
+        self._close(conn)
 
     def _drop_broken(self) -> None:
         while self._broken:
