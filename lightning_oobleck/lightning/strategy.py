@@ -67,7 +67,7 @@ from lightning_oobleck.lightning.module import (
 from lightning_oobleck.lightning.plan_agreement import agree_on_plan, check_layout_size
 from lightning_oobleck.planning.plan import Plan
 from lightning_oobleck.recovery.agent import WorkerAgent
-from lightning_oobleck.recovery.fit import FitRecovery, start_agent
+from lightning_oobleck.recovery.fit import FitRecovery, clip_to_norm, start_agent
 from lightning_oobleck.recovery.service import CoordinatorService
 
 
@@ -405,18 +405,13 @@ class OobleckStrategy(ParallelStrategy, PipelineExecutor):
 
     def _clip_grad_by_global_norm(self, optimizer: Optimizer, clip_val: float) -> None:
         """``torch.nn.utils.clip_grad_norm_`` with the norm of the whole model, each layer counted once."""
-        if self._fit_recovery is not None:  # the step's commit already summed the norm
-            grads = [
-                p.grad for group in optimizer.param_groups for p in group["params"] if p.grad is not None
-            ]
-            self._fit_recovery.clip(grads, clip_val)
-            return
-        total = torch.as_tensor(self.engine.grad_norm_sq(), dtype=torch.float64, device=self.root_device)
-        dist.all_reduce(total)
-        coef = torch.clamp(clip_val / (total.sqrt() + 1e-6), max=1.0)
-        grads = [p.grad for group in optimizer.param_groups for p in group["params"] if p.grad is not None]
-        for grad in grads:
-            grad.mul_(coef.to(grad.dtype))
+        if self._fit_recovery is not None:  # the step's commit already summed the squared norm
+            norm_sq = self._fit_recovery.committed[0]
+        else:
+            total = self.engine.grad_norm_sq()
+            dist.all_reduce(total)
+            norm_sq = float(total)
+        clip_to_norm(optimizer, norm_sq, clip_val)
 
     # ------------------------------------------------------------------ data
     def process_dataloader(self, dataloader: object) -> object:

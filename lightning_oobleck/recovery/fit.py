@@ -29,7 +29,7 @@ from lightning.pytorch.core.optimizer import _init_optimizers_and_lr_schedulers
 from lightning.pytorch.utilities.rank_zero import rank_zero_only
 from torch import Tensor
 
-from lightning_oobleck.execution.errors import PeerFailure
+from lightning_oobleck.execution.engine import PipelineEngine
 from lightning_oobleck.execution.process_groups import backend_for
 from lightning_oobleck.execution.stage import StageModule
 from lightning_oobleck.lightning.data import DataPosition, PipelineDataLoader, share_of_pipeline
@@ -54,11 +54,13 @@ def start_agent(worker: tuple[int, int], timeout_s: float) -> tuple[WorkerAgent 
     return agent, agent.agree(-1, timeout_s).generation
 
 
-def scale_to_norm(grads: list[Tensor], norm_sq: float, clip_val: float) -> None:
-    """``clip_grad_norm_(max_norm=clip_val)`` given the global squared norm."""
+def clip_to_norm(optimizer: torch.optim.Optimizer, norm_sq: float, clip_val: float) -> None:
+    """``clip_grad_norm_(max_norm=clip_val)`` of ``optimizer``'s gradients, given the global squared norm."""
     coef = min(1.0, clip_val / (math.sqrt(norm_sq) + 1e-6))
-    for grad in grads:
-        grad.mul_(coef)
+    for group in optimizer.param_groups:
+        for p in group["params"]:
+            if p.grad is not None:
+                p.grad.mul_(coef)
 
 
 class FitRecovery:
@@ -98,25 +100,14 @@ class FitRecovery:
     def pipeline_step(self, module: PipelineModule, batch: Any) -> Tensor:
         """Forward, backward and commit of this batch, recovering in place; returns the global mean loss."""
         self._step_started = time.time()
-        self.caught_up = False
-        while True:
-            if self.recovery.agent.abort.is_set() and self._recover().caught_up is not None:
-                return self._loss()
-            engine = self.recovery.engine
-            inputs, targets = module.split_batch(self._current_batch(batch))
-            try:
-                part = engine.train_step(
-                    inputs if engine.is_first_stage else None, targets if engine.is_last_stage else None
-                )
-                loss = part if part is not None else torch.zeros((), device=engine.device)
-                self.committed = self.recovery.commit(loss.reshape(1))
-            except PeerFailure:
-                if self._recover().caught_up is not None:
-                    return self._loss()
-                continue
-            return self._loss()
 
-    def _loss(self) -> Tensor:
+        def attempt(engine: PipelineEngine) -> Tensor | None:
+            inputs, targets = module.split_batch(self._current_batch(batch))
+            return engine.train_step(
+                inputs if engine.is_first_stage else None, targets if engine.is_last_stage else None
+            )
+
+        self.committed, self.caught_up = self.recovery.run_step(attempt, after_recovery=self._adopt)
         return torch.tensor(self.committed[1], device=self.recovery.engine.device)
 
     def optimizer_step(self, run_update: Any, closure: Any) -> Any:
@@ -136,13 +127,9 @@ class FitRecovery:
             )
         return output
 
-    def clip(self, grads: list[Tensor], clip_val: float) -> None:
-        """Clip by the committed global norm (no further collective)."""
-        scale_to_norm(grads, self.committed[0], clip_val)
-
     # ------------------------------------------------------------------ recovery
-    def _recover(self) -> RecoveryOutcome:
-        outcome = self.recovery.recover()
+    def _adopt(self, outcome: RecoveryOutcome) -> None:
+        """Point the strategy, Lightning's optimizer and schedulers and the data at the recovered run."""
         strategy, recovery = self.strategy, self.recovery
         groups = recovery.engine.groups
         strategy._groups = groups
@@ -160,9 +147,6 @@ class FitRecovery:
         # The batch in flight, and the one Lightning prefetched, were cut for the old pipelines.
         position = strategy._in_flight
         self._stale = {position, DataPosition(position.epoch, position.step + 1)}
-        if outcome.caught_up is not None:
-            self.committed, self.caught_up = outcome.caught_up, True
-        return outcome
 
     def _loaders(self) -> list[PipelineDataLoader]:
         """The training and validation loaders, whose samplers cut each global batch for this pipeline."""
@@ -206,6 +190,5 @@ class FitRecovery:
         """The update of a step this worker finishes during a recovery: clip as Lightning would, step."""
         clip_val = self.trainer.gradient_clip_val
         if clip_val:
-            grads = [p.grad for g in optimizer.param_groups for p in g["params"] if p.grad is not None]
-            scale_to_norm(grads, norm_sq, float(clip_val))
+            clip_to_norm(optimizer, norm_sq, float(clip_val))
         optimizer.step()

@@ -170,30 +170,51 @@ class Recovery:
 
     # ------------------------------------------------------------------ the step protocol
 
-    def train_step(self, batch: Callable[[int], tuple[Tensor, Tensor]]) -> Tensor | None:
-        """Run step ``ledger.applied`` to completion, recovering (and redoing it) after failures.
+    def run_step(
+        self,
+        attempt: Callable[[PipelineEngine], Tensor | None],
+        after_recovery: Callable[[RecoveryOutcome], None] | None = None,
+    ) -> tuple[list[float], bool]:
+        """Run step ``ledger.applied``'s pipeline part and commit it; after a failure, recover and redo it.
 
-        ``batch(step)`` returns that step's whole global batch ``(inputs, targets)``; each pipeline
-        takes its slice under the plan of the moment. Returns the engine's loss (last stages only).
+        ``attempt(engine)`` runs this worker's 1F1B and gradient sync under the plan of the moment and
+        returns its part of the loss (last stages) or ``None``; it is called again on the new pipelines
+        after a recovery, which ``after_recovery`` hears of first. Returns the commit ``[global squared
+        gradient norm, global loss]`` and whether a recovery already applied the step (this worker had
+        missed a commit that other survivors saw): the caller must then not apply it again.
         """
         while True:
-            if self.agent.abort.is_set():
-                self.recover()
-            engine = self.engine
-            inputs, targets = batch(self.ledger.applied)
             try:
-                loss = engine.train_step(
-                    inputs[engine.batch_slice] if engine.is_first_stage else None,
-                    targets[engine.batch_slice] if engine.is_last_stage else None,
-                )
-                committed = self.commit()
+                if not self.agent.abort.is_set():
+                    part = attempt(self.engine)
+                    loss = part if part is not None else torch.zeros((), device=self.engine.device)
+                    return self.commit(loss.reshape(1)), False
             except PeerFailure as e:
                 log.warning("step %d interrupted: %s", self.ledger.applied, e)
-                if self.recover().caught_up is not None:
-                    return loss
-                continue
+            outcome = self.recover()
+            if after_recovery is not None:
+                after_recovery(outcome)
+            if outcome.caught_up is not None:
+                return outcome.caught_up, True
+
+    def train_step(self, batch: Callable[[int], tuple[Tensor, Tensor]]) -> float:
+        """Run step ``ledger.applied`` to completion (:meth:`run_step`, then the update); return the loss.
+
+        ``batch(step)`` returns that step's whole global batch ``(inputs, targets)``; each pipeline
+        takes its slice under the plan of the moment.
+        """
+
+        def attempt(engine: PipelineEngine) -> Tensor | None:
+            inputs, targets = batch(self.ledger.applied)
+            return engine.train_step(
+                inputs[engine.batch_slice] if engine.is_first_stage else None,
+                targets[engine.batch_slice] if engine.is_last_stage else None,
+            )
+
+        committed, applied = self.run_step(attempt)
+        if not applied:
             self.apply(committed)
-            return loss
+        return committed[1]
 
     def commit(self, extra: Tensor | None = None) -> list[float]:
         """The step's commit, after :meth:`PipelineEngine.train_step` returned: all-reduce (sum, abortable)
