@@ -38,8 +38,8 @@ from rich.table import Table
 from torch.utils.data import DataLoader
 
 from lightning_oobleck.lightning import OobleckStrategy
+from lightning_oobleck.lightning.units import EVENTS_FILE
 from lightning_oobleck.recovery import read_events
-from lightning_oobleck.recovery.fit import EVENTS_FILE
 
 EXAMPLES = Path(__file__).resolve().parents[1] / "examples" / "gpt"
 MODEL = {"vocab_size": 256, "seq_len": 32, "d_model": 64, "n_heads": 4, "n_blocks": 4}

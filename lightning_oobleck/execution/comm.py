@@ -20,11 +20,8 @@ from datetime import timedelta
 
 from torch.distributed import Work
 
-from lightning_oobleck.execution.errors import PeerFailure
+from lightning_oobleck.execution.errors import PeerFailure, is_peer_lost
 from lightning_oobleck.execution.exit_guard import outlive
-
-_PEER_LOST = ("connection reset", "connection closed", "broken pipe", "connection refused", "timed out")
-"""Fragments of gloo/c10d error messages that mean a peer died or went silent."""
 
 
 class _Request:
@@ -107,7 +104,7 @@ class CommWaiter:
 
     def _reraise(self, error: BaseException) -> None:
         """A lost peer becomes :class:`PeerFailure` (and breaks the waiter); other errors stay as they are."""
-        if isinstance(error, RuntimeError) and any(m in str(error).lower() for m in _PEER_LOST):
+        if is_peer_lost(error):
             self.broken = f"peer lost: {error}"
             raise PeerFailure(f"a peer was lost: {error}") from error
         raise error

@@ -189,6 +189,23 @@ class PipelineEngine:
             self.plan.microbatch_size / self.plan.global_batch_size,
         )
 
+    def commit(self, loss: Tensor | None) -> list[float]:
+        """The end of a training step, after :meth:`train_step`: all-reduce (sum, bounded, abortable)
+        ``[this worker's part of the squared gradient norm, its loss part]`` over every worker.
+
+        Returns ``[global squared gradient norm, global mean loss]``; its completion on any worker proves
+        that every worker finished the step's gradient sync.
+        """
+        part = loss if loss is not None else torch.zeros((), device=self.device)
+        values = torch.cat([self.grad_norm_sq().reshape(1), part.detach().to(torch.float64).reshape(1)])
+        return self.groups.all_reduce(values, self.abort).tolist()
+
+    def evaluate(self, inputs: Tensor | None, targets: Tensor | None) -> Tensor:
+        """:meth:`eval_step`, then the global mean loss (an all-reduce over every worker, abortable)."""
+        part = self.eval_step(inputs, targets)
+        loss = part.detach().reshape(1) if part is not None else torch.zeros(1, device=self.device)
+        return self.groups.all_reduce(loss, self.abort)[0]
+
     def grad_norm_sq(self) -> Tensor:
         """This worker's part of the global squared gradient norm, each layer counted once.
 

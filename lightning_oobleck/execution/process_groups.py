@@ -2,13 +2,17 @@
 
 Every process that runs a worker of a plan creates one :class:`ProcessGroups`; it initialises the
 default group over the plan's workers (rank = position in ``plan.workers``) and one gradient group per
-distinct set of layer owners. After a failure, recovery calls :meth:`ProcessGroups.destroy` and creates
-the next generation in the same process; the generation prefixes every key in the rendezvous store, so
-stale keys of an earlier generation can never be mistaken for new ones.
+distinct set of layer owners, and issues the generation's collectives through its abortable
+:class:`~lightning_oobleck.execution.comm.CommWaiter` (:meth:`ProcessGroups.all_reduce`). After a failure,
+recovery calls :meth:`ProcessGroups.abort` and creates the next generation in the same process; the
+generation prefixes every key in the rendezvous store, so stale keys of an earlier generation can never be
+mistaken for new ones. This module is the only code that touches torch.distributed's private state
+(:func:`_forget_all_groups`).
 """
 
 from __future__ import annotations
 
+import threading
 from datetime import timedelta
 
 import torch
@@ -63,6 +67,7 @@ class ProcessGroups:
         self.plan = plan
         self.worker = worker
         self.generation = generation
+        self.backend = backend
         self.timeout = timeout
         self._ranks = {w: i for i, w in enumerate(workers)}
         self.rank = self._ranks[worker]
@@ -107,14 +112,28 @@ class ProcessGroups:
     def destroyed(self) -> bool:
         return self._destroyed
 
-    def abandon(self) -> list[dist.ProcessGroup]:
+    def all_reduce(
+        self, tensor: torch.Tensor, abort: threading.Event, op: dist.ReduceOp.RedOpType = dist.ReduceOp.SUM
+    ) -> torch.Tensor:
+        """All-reduce ``tensor`` in place over every worker of the generation, bounded and abortable.
+
+        Raises :class:`~lightning_oobleck.execution.errors.PeerFailure` when a peer is lost, ``abort`` is
+        set or the generation's timeout passes.
+        """
+        with self.waiter.issuing():
+            work = dist.all_reduce(tensor, op=op, async_op=True)
+        self.waiter.wait([work], abort)
+        return tensor
+
+    def abort(self) -> list[dist.ProcessGroup]:
         """Leave this generation at once, without waiting for its pending operations (after a failure).
 
         gloo's shutdown (in :meth:`destroy`, and in a group's destructor) waits for every pending
         operation, and one blocked on a live peer that is itself stuck ends only at the group timeout.
         This unregisters the groups without shutting them down and returns them: the caller must keep
         them referenced for the rest of the process (their operations fail or time out in the
-        background). Uses torch.distributed's process-group registry directly (no public API does this).
+        background). With NCCL, the communicators are aborted first (``ProcessGroup.abort``), so that
+        kernels waiting on a lost peer end.
         """
         if self._destroyed:
             return []
@@ -124,20 +143,10 @@ class ProcessGroups:
             return []
         kept = [c10d._get_default_group(), *self._grad_groups.values()]
         self._grad_groups.clear()
-        c10d._update_default_pg(None)
-        world = c10d._world
-        for registry in (
-            world.pg_map,
-            world.pg_names,
-            world.pg_group_ranks,
-            world.pg_backend_config,
-            world.pg_to_tag,
-            world.tags_to_pg,
-            world.pg_coalesce_state,
-        ):
-            registry.clear()
-        c10d._unregister_all_process_groups()
-        world.group_count = 0
+        if self.backend == "nccl":  # untested here: no GPU; ProcessGroup.abort is public API
+            for group in kept:
+                group.abort()
+        _forget_all_groups()
         return kept
 
     def destroy(self) -> None:
@@ -149,3 +158,25 @@ class ProcessGroups:
         self._grad_groups.clear()
         if dist.is_initialized():
             dist.destroy_process_group()
+
+
+def _forget_all_groups() -> None:
+    """Unregister every process group of this process without shutting any down.
+
+    torch.distributed has no public API for this (``destroy_process_group`` shuts groups down, which
+    waits for operations stuck on silent peers), so it edits the process-group registry directly.
+    """
+    c10d._update_default_pg(None)
+    world = c10d._world
+    for registry in (
+        world.pg_map,
+        world.pg_names,
+        world.pg_group_ranks,
+        world.pg_backend_config,
+        world.pg_to_tag,
+        world.tags_to_pg,
+        world.pg_coalesce_state,
+    ):
+        registry.clear()
+    c10d._unregister_all_process_groups()
+    world.group_count = 0

@@ -8,7 +8,9 @@ first stage uses them as inputs and the last stage as targets.
 
 The position (epoch, step) is state: :meth:`GlobalBatchSampler.state_dict` is saved in Lightning's
 checkpoints (through :class:`PipelineDataLoader`), and after a reconfiguration :meth:`set_share` re-cuts the
-same global batch for the new pipelines.
+same global batch for the new pipelines. Every batch is recorded with the layout it was cut for
+(:meth:`GlobalBatchSampler.is_stale`): batches a loader prefetched (``num_workers``, ``prefetch_factor``)
+before a reconfiguration are recognised and cut again (:meth:`GlobalBatchSampler.indices`).
 """
 
 from __future__ import annotations
@@ -44,6 +46,7 @@ class GlobalBatchSampler(Sampler[list[int]]):
         seed: int = 0,
         shuffle: bool = True,
         share: range | None = None,
+        layout: int = 0,
     ) -> None:
         if global_batch_size < 1 or num_samples < global_batch_size:
             raise ValueError(
@@ -56,16 +59,30 @@ class GlobalBatchSampler(Sampler[list[int]]):
         self.shuffle = shuffle
         self.share = range(global_batch_size) if share is None else share
         self._check_share(self.share)
+        self.layout = layout
+        """The layout (the plan's generation) :attr:`share` belongs to."""
         self.position = DataPosition()
         self._permutation: tuple[int, torch.Tensor] | None = None
+        self._cut: dict[DataPosition, int] = {}
+        """The layout each batch handed out was cut for (only batches from the current epoch)."""
 
     def __len__(self) -> int:
         return self.num_samples // self.global_batch_size
 
     def __iter__(self) -> Iterator[list[int]]:
         epoch, start = self.position.epoch, self.position.step
+        self._cut = {p: layout for p, layout in self._cut.items() if p.epoch == epoch}
         for step in range(start, len(self)):
-            yield self.global_batch(epoch, step)[self.share.start : self.share.stop]
+            self._cut[DataPosition(epoch, step)] = self.layout
+            yield self.indices(epoch, step)
+
+    def indices(self, epoch: int, step: int) -> list[int]:
+        """This rank's share of global batch ``step`` of ``epoch`` under the current layout."""
+        return self.global_batch(epoch, step)[self.share.start : self.share.stop]
+
+    def is_stale(self, epoch: int, step: int) -> bool:
+        """Whether the batch handed out for ``(epoch, step)`` was cut for another layout than the current."""
+        return self._cut.get(DataPosition(epoch, step)) != self.layout
 
     @property
     def sampler(self) -> GlobalBatchSampler:
@@ -77,10 +94,12 @@ class GlobalBatchSampler(Sampler[list[int]]):
         if epoch != self.position.epoch:
             self.position = DataPosition(epoch, 0)
 
-    def set_share(self, share: range) -> None:
-        """Take the sample offsets ``share`` of every global batch from now on (after a plan change)."""
+    def set_share(self, share: range, layout: int) -> None:
+        """Take the sample offsets ``share`` of every global batch from now on: the share of this rank's
+        pipeline under the plan of generation ``layout`` (after a plan change)."""
         self._check_share(share)
         self.share = share
+        self.layout = layout
 
     def advance(self, epoch: int, completed_steps: int) -> None:
         """Record that ``completed_steps`` global batches of ``epoch`` were trained on."""

@@ -4,22 +4,24 @@ How a training step maps onto Lightning's automatic optimisation (which runs ``t
 ``zero_grad``, then ``backward``, so gradients made inside ``training_step`` would be wiped):
 
 1. ``training_step`` -> :meth:`OobleckStrategy.pipeline_loss` runs this rank's part of the 1F1B schedule
-   (forwards and backwards of every micro-batch plus the cross-pipeline gradient sync) and then *moves*
-   the finished gradients out of ``.grad`` (no copy); it returns the global mean loss, the same on every
-   rank, so ``self.log(..., sync_dist=True)`` reduces correctly.
+   (forwards and backwards of every micro-batch plus the cross-pipeline gradient sync) and the step's
+   commit, and then *moves* the finished gradients out of ``.grad`` (no copy); it returns the global mean
+   loss, the same on every rank.
 2. Lightning's ``zero_grad`` finds no gradients to clear.
 3. :meth:`OobleckStrategy.backward` fires ``on_before_backward``, moves the gradients back into ``.grad``
    and fires ``on_after_backward``; ``on_before_optimizer_step``, clipping (by the global norm, each layer
    counted once) and the LR schedulers then run exactly as with DDP.
 
-The plan's :class:`~lightning_oobleck.execution.ProcessGroups` own torch's default group, so Lightning's own
-collectives (the SIGTERM flag it broadcasts every batch, ``self.log(sync_dist=True)``, barriers) run on the
-current generation's workers. Checkpoints are sharded (:mod:`lightning_oobleck.lightning.checkpoint`): each
-layer once, loadable into any other layout.
+Every exchange with the peers (the steps above, evaluation steps, the collectives Lightning asks of the
+strategy, checkpoint saves) is a recoverable unit of :mod:`~lightning_oobleck.lightning.units`. Checkpoints
+are sharded (:mod:`lightning_oobleck.execution.checkpoint`): each layer once, loadable into any other
+layout, committed atomically.
 """
 
 from __future__ import annotations
 
+import math
+import os
 from collections.abc import Callable, Mapping
 from datetime import timedelta
 from pathlib import Path
@@ -27,7 +29,6 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from lightning.fabric.utilities.distributed import _sync_ddp_if_available
 from lightning.fabric.utilities.optimizer import _optimizers_to_device
 from lightning.fabric.utilities.types import ReduceOp
 from lightning.pytorch import LightningModule, Trainer
@@ -40,15 +41,11 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_only
 from torch import Tensor
 from torch.optim import Optimizer
 from torch.utils.data import DataLoader, DistributedSampler
+from typing_extensions import override
 
 from lightning_oobleck.execution import PipelineEngine, ProcessGroups
+from lightning_oobleck.execution.checkpoint import load_metadata, load_sharded_model, load_sharded_optimizers
 from lightning_oobleck.execution.process_groups import backend_for
-from lightning_oobleck.lightning.checkpoint import (
-    load_metadata,
-    load_sharded_model,
-    load_sharded_optimizers,
-    save_sharded,
-)
 from lightning_oobleck.lightning.config import OobleckConfig, load_oobleck_config
 from lightning_oobleck.lightning.data import (
     DataPosition,
@@ -65,9 +62,10 @@ from lightning_oobleck.lightning.module import (
     meta_layers,
 )
 from lightning_oobleck.lightning.plan_agreement import agree_on_plan, check_layout_size
+from lightning_oobleck.lightning.units import FitUnits, share_logger_versions
 from lightning_oobleck.planning.plan import Plan
 from lightning_oobleck.recovery.agent import WorkerAgent
-from lightning_oobleck.recovery.fit import FitRecovery, clip_to_norm, start_agent
+from lightning_oobleck.recovery.protocol import ADDRESS_ENV
 from lightning_oobleck.recovery.service import CoordinatorService
 
 
@@ -104,11 +102,12 @@ class OobleckStrategy(ParallelStrategy, PipelineExecutor):
         self._groups: ProcessGroups | None = None
         self._engine: PipelineEngine | None = None
         self._in_flight = DataPosition()
+        self._evaluating = (0, 0)
         self._checkpoint_path: Path | None = None
         self._stashed_grads: list[Tensor | None] | None = None
         self._store: dist.Store | None = None
         self._agent: WorkerAgent | None = None
-        self._fit_recovery: FitRecovery | None = None
+        self._units: FitUnits | None = None
 
     @classmethod
     def from_config(cls, cfg: Any, **kwargs: Any) -> OobleckStrategy:
@@ -151,7 +150,8 @@ class OobleckStrategy(ParallelStrategy, PipelineExecutor):
     @property
     def recovery_events(self) -> Path | None:
         """The JSONL file of this fit's step and recovery records (``oobleck timeline``), if recovery runs."""
-        return self._fit_recovery.events.path if self._fit_recovery is not None else None
+        events = self._units.events if self._units is not None else None
+        return events.path if events is not None else None
 
     @property
     def data_position(self) -> DataPosition:
@@ -197,7 +197,7 @@ class OobleckStrategy(ParallelStrategy, PipelineExecutor):
             environment.world_size(),
             make_plan=lambda: self._planner_plan(module, environment.world_size()),
         )
-        self._agent, generation = start_agent(environment.worker, self.config.plan_timeout_s)
+        self._agent, generation = _start_agent(environment.worker, self.config.plan_timeout_s)
         self._groups = ProcessGroups(
             plan,
             environment.worker,
@@ -225,10 +225,16 @@ class OobleckStrategy(ParallelStrategy, PipelineExecutor):
         self.setup_precision_plugin()
         # Lightning clips the parameters this process holds; the norm must cover every layer, once.
         self.precision_plugin.clip_grad_by_norm = self._clip_grad_by_global_norm  # type: ignore[method-assign]
+        self._units = FitUnits(self, trainer)
+        share_logger_versions(trainer, self._units)
         if trainer.state.fn == TrainerFn.FITTING:
             _optimizers_to_device(self.optimizers, self.root_device)
             if self._agent is not None:
-                self._fit_recovery = FitRecovery(self, trainer, self._agent, self._store)
+                assert self._store is not None
+                self._units.enable_recovery(self._agent, self._store)
+            # Lightning broadcasts its SIGTERM flag on the default group before every batch; as a unit, a
+            # peer lost there is recovered from like anywhere else.
+            trainer.fit_loop.epoch_loop._broadcast_sigterm_tensor = self._units.check_sigterm  # type: ignore[method-assign]
 
     def _build_engine(self, module: PipelineModule) -> PipelineEngine:
         """Materialise the owned layers; weights the module already holds (a previous fit's) are kept."""
@@ -305,11 +311,26 @@ class OobleckStrategy(ParallelStrategy, PipelineExecutor):
         assert self.model is not None
         self.model.to(self.root_device)
 
+    @override
     def on_train_start(self) -> None:
         super().on_train_start()
-        if self._fit_recovery is not None:  # after a checkpoint restore: count steps as Lightning does
-            self._fit_recovery.recovery.start_at(self.lightning_module.trainer.global_step)
+        recovery = self._require_units().recovery
+        if recovery is not None:  # after a checkpoint restore: count steps as Lightning does
+            recovery.start_at(self.lightning_module.trainer.global_step)
 
+    @override
+    def on_validation_start(self) -> None:
+        super().on_validation_start()
+        self._require_units().flush_loggers()
+
+    @override
+    def on_train_end(self) -> None:
+        super().on_train_end()
+        units = self._require_units()
+        units.finish()
+        units.flush_loggers()
+
+    @override
     def teardown(self) -> None:
         if self._groups is not None:
             self._groups.destroy()
@@ -318,31 +339,21 @@ class OobleckStrategy(ParallelStrategy, PipelineExecutor):
             self._agent.close(finished=True)
             self._agent = None
         self._engine = None
-        self._fit_recovery = None
+        self._units = None
         super().teardown()
 
     # ------------------------------------------------------------------ the step
+    @override
     def pipeline_loss(self, module: PipelineModule, batch: Any, train: bool) -> Tensor:
-        engine = self.engine
-        inputs, targets = module.split_batch(batch)
-        inputs = inputs if engine.is_first_stage else None
-        targets = targets if engine.is_last_stage else None
+        units = self._require_units()
         if train:
             # The previous step's gradients are still in .grad (Lightning zeroes them only after
             # training_step); the schedule accumulates into .grad, so it must start from nothing.
             self._take_grads()
-            if self._fit_recovery is not None:
-                loss = self._fit_recovery.pipeline_step(module, batch)
-                self._stashed_grads = self._take_grads()
-                return loss.requires_grad_()
-            part = engine.train_step(inputs, targets)
+            loss = units.train_step(module, batch, self._in_flight)
             self._stashed_grads = self._take_grads()
-        else:
-            part = engine.eval_step(inputs, targets)
-        loss = part.detach() if part is not None else torch.zeros((), device=self.root_device)
-        # The last stages hold their pipeline's share of the global mean; the sum is the global mean.
-        dist.all_reduce(loss)
-        return loss.requires_grad_() if train else loss
+            return loss.requires_grad_()
+        return units.eval_step(module, batch, self._evaluating[0], self._evaluating[1])
 
     def backward(
         self, closure_loss: Tensor, optimizer: Optimizer | None, *args: Any, **kwargs: Any
@@ -357,10 +368,36 @@ class OobleckStrategy(ParallelStrategy, PipelineExecutor):
         self.post_backward(closure_loss)
         return closure_loss
 
+    @override
     def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
         # The batch in flight; after its optimizer step the position moves past it (see optimizer_step).
         self._in_flight = DataPosition(self.lightning_module.current_epoch, batch_idx)
+        self._weigh_logged_values()
+        self._require_units().flush_loggers()
 
+    @override
+    def validation_step(self, *args: Any, **kwargs: Any) -> Any:
+        self._start_evaluation_step(*args, **kwargs)
+        return super().validation_step(*args, **kwargs)
+
+    @override
+    def test_step(self, *args: Any, **kwargs: Any) -> Any:
+        self._start_evaluation_step(*args, **kwargs)
+        return super().test_step(*args, **kwargs)
+
+    def _start_evaluation_step(self, batch: Any, batch_idx: int, dataloader_idx: int = 0) -> None:
+        self._evaluating = (batch_idx, dataloader_idx)
+        self._weigh_logged_values()
+
+    def _weigh_logged_values(self) -> None:
+        """Every value this batch logs stands for the whole global batch (``pipeline_loss`` returns the
+        global mean on every rank): weigh it by the global batch size on every rank, so that epoch means
+        synced over the ranks equal a single device's whatever the pipelines' shares and their changes."""
+        results = self.lightning_module.trainer._results
+        if results is not None:
+            results.batch_size = self.config.global_batch_size
+
+    @override
     def optimizer_step(
         self,
         optimizer: Optimizer,
@@ -368,15 +405,9 @@ class OobleckStrategy(ParallelStrategy, PipelineExecutor):
         model: LightningModule | torch.nn.Module | None = None,
         **kwargs: Any,
     ) -> Any:
-        if self._fit_recovery is not None:
-            output = self._fit_recovery.optimizer_step(
-                lambda opt, step_closure: super(OobleckStrategy, self).optimizer_step(
-                    opt, step_closure, model, **kwargs
-                ),
-                closure,
-            )
-        else:
-            output = super().optimizer_step(optimizer, closure, model, **kwargs)
+        output = self._require_units().optimizer_step(
+            lambda: super(OobleckStrategy, self).optimizer_step(optimizer, closure, model, **kwargs)
+        )
         sampler = self._train_sampler()
         if sampler is not None:
             sampler.advance(self._in_flight.epoch, self._in_flight.step + 1)
@@ -404,14 +435,13 @@ class OobleckStrategy(ParallelStrategy, PipelineExecutor):
         self._stashed_grads = None
 
     def _clip_grad_by_global_norm(self, optimizer: Optimizer, clip_val: float) -> None:
-        """``torch.nn.utils.clip_grad_norm_`` with the norm of the whole model, each layer counted once."""
-        if self._fit_recovery is not None:  # the step's commit already summed the squared norm
-            norm_sq = self._fit_recovery.committed[0]
-        else:
-            total = self.engine.grad_norm_sq()
-            dist.all_reduce(total)
-            norm_sq = float(total)
-        clip_to_norm(optimizer, norm_sq, clip_val)
+        """``torch.nn.utils.clip_grad_norm_`` with the norm of the whole model, each layer counted once: the
+        step's commit summed its square."""
+        coef = min(1.0, clip_val / (math.sqrt(self._require_units().committed[0]) + 1e-6))
+        for group in optimizer.param_groups:
+            for p in group["params"]:
+                if p.grad is not None:
+                    p.grad.mul_(coef)
 
     # ------------------------------------------------------------------ data
     def process_dataloader(self, dataloader: object) -> object:
@@ -445,18 +475,13 @@ class OobleckStrategy(ParallelStrategy, PipelineExecutor):
         # Weights load into the layers this rank owns, which exist only once setup() built the engine.
         return True
 
+    @override
     def save_checkpoint(
         self, checkpoint: dict[str, Any], filepath: str | Path, storage_options: Any | None = None
     ) -> None:
-        """Collective: each layer's weights and optimizer state once (DCP), Lightning's metadata by rank 0."""
-        groups = self._require_groups()
-        save_sharded(
-            filepath,
-            self.engine.module,
-            self.optimizers,
-            self.checkpoint_metadata(checkpoint),
-            is_writer_for_layer=lambda layer: groups.plan.layer_owners(layer)[0] == groups.worker,
-        )
+        """Collective: each layer's weights and optimizer state once, Lightning's metadata, committed
+        atomically (a directory at ``filepath`` is always a complete checkpoint)."""
+        self._require_units().save_checkpoint(checkpoint, filepath)
 
     @staticmethod
     def checkpoint_metadata(checkpoint: Mapping[str, Any]) -> dict[str, Any]:
@@ -484,23 +509,37 @@ class OobleckStrategy(ParallelStrategy, PipelineExecutor):
         return self._checkpoint_path
 
     # ------------------------------------------------------------------ collectives on the default group
+    @override
     def reduce(
         self, tensor: Tensor | Any, group: Any | None = None, reduce_op: ReduceOp | str | None = "mean"
     ) -> Tensor | Any:
-        if isinstance(tensor, Tensor):
-            return _sync_ddp_if_available(tensor, group, reduce_op=reduce_op)
-        return tensor
+        """Reduce over every worker (``"mean"`` by default, in floating point); recovered like every unit."""
+        if not isinstance(tensor, Tensor):
+            return tensor
+        if group is not None:
+            raise ValueError(
+                "the oobleck strategy reduces over every worker of the current generation: sync_dist_group "
+                "(a process group of your own) is not supported, since groups are rebuilt after failures"
+            )
+        return self._require_units().all_reduce(tensor, "mean" if reduce_op is None else reduce_op)
 
+    @override
     def barrier(self, name: str | None = None) -> None:
-        if dist.is_initialized():
-            dist.barrier()
+        if self._units is not None:
+            self._units.barrier()
 
+    @override
     def broadcast(self, obj: TBroadcast, src: int = 0) -> TBroadcast:
-        if not dist.is_initialized():
-            return obj
-        box = [obj]
-        dist.broadcast_object_list(box, src)
-        return box[0]
+        return self._units.broadcast(obj, src) if self._units is not None else obj
+
+    @override
+    def all_gather(self, tensor: Tensor, group: Any | None = None, sync_grads: bool = False) -> Tensor:
+        if group is not None or sync_grads:
+            raise ValueError(
+                "the oobleck strategy gathers over every worker without gradients: pass neither group nor "
+                "sync_grads=True to all_gather"
+            )
+        return self._require_units().all_gather(tensor)
 
     # ------------------------------------------------------------------ checks
     def _environment(self) -> OobleckEnvironment:
@@ -545,6 +584,11 @@ class OobleckStrategy(ParallelStrategy, PipelineExecutor):
                         "an optimizer holds a parameter outside self.layers"
                     )
 
+    def _require_units(self) -> FitUnits:
+        if self._units is None:
+            raise RuntimeError("the oobleck strategy exchanges with its peers only after its setup()")
+        return self._units
+
     def _require_groups(self) -> ProcessGroups:
         if self._groups is None:
             raise RuntimeError("the process groups exist only after the strategy's setup_environment()")
@@ -571,3 +615,11 @@ def _shuffles(loader: DataLoader) -> bool:
 def _connect_store(environment: OobleckEnvironment, config: OobleckConfig) -> dist.Store:
     host, port = environment.store_address
     return dist.TCPStore(host, port, is_master=False, timeout=timedelta(seconds=config.plan_timeout_s))
+
+
+def _start_agent(worker: tuple[int, int], timeout_s: float) -> tuple[WorkerAgent | None, int]:
+    """The worker's agent and the first agreed generation, when a coordinator runs (``ADDRESS_ENV``)."""
+    if not os.environ.get(ADDRESS_ENV):
+        return None, 0
+    agent = WorkerAgent(worker, connect_timeout=timeout_s).start()
+    return agent, agent.agree(-1, timeout_s).generation

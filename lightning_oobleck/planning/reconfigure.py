@@ -120,6 +120,17 @@ def _repair(groups: list[list[int]], layout: _Layout, target: int) -> list[list[
     return groups
 
 
+def _fewest_parts(layout: _Layout, at_least: int, total: int) -> int:
+    """The fewest pipelines, at least ``at_least``, that ``total`` nodes of template sizes can form."""
+    for parts in range(at_least, max_parts(layout.sizes, total) + 1):
+        try:
+            split_into(layout.sizes, total, parts)
+        except ValueError:
+            continue
+        return parts
+    raise ReconfigurationError(f"{total} nodes cannot form {at_least} or more pipelines of template sizes")
+
+
 def _resplit(groups: list[list[int]], layout: _Layout, parts: int) -> list[list[int]]:
     nodes = [n for g in groups for n in g]
     out, start = [], 0
@@ -245,7 +256,8 @@ def after_joins(plan: Plan, count: int) -> Reconfiguration:
         for node in new:
             growable = [g for g in groups if len(g) + 1 in layout.sizes]
             if not growable:
-                groups = _resplit([*groups, [node]], layout, len(groups))
+                grown = [*groups, [node]]
+                groups = _resplit(grown, layout, _fewest_parts(layout, len(groups), sum(map(len, grown))))
                 continue
             min(growable, key=len).append(node)
     groups = _repair(groups, layout, _target(plan, layout, len(alive) + count))

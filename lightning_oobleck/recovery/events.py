@@ -5,10 +5,10 @@ A run's event file has one JSON object per line, each with a ``kind``:
 * ``{"kind": "step", "step", "time", "duration_s", "samples", "generation"}``: one optimizer step that
   counted, ``time`` being its end (wall clock); ``oobleck timeline`` turns these into throughput.
 * ``{"kind": "recovery", "generation", "removed", "added", "cause", "failed_at", "detected_at",
-  "agreed_at", "replanned_at", "rebuilt_at", "state_copied_at", "resumed_at", "durations"}``: one
-  failure (or join) and its recovery. The phases happen in that order; each ``*_at`` is a wall-clock
-  time, ``durations`` the time of each phase since the previous one (``failed_at`` is only known when
-  the failure was injected, e.g. by ``--kill-at-step``).
+  "agreed_at", "replanned_at", "rebuilt_at", "state_copied_at", "resumed_at", "fault_tolerance",
+  "warnings", "durations"}``: one failure (or join) and its recovery. The phases happen in that order;
+  each ``*_at`` is a wall-clock time, ``durations`` the time of each phase since the previous one
+  (``failed_at`` is only known when the failure was injected, e.g. by ``--kill-at-step``).
 
 One process should write a given file (the rank 0 of the current generation): lines are appended with
 one ``write`` each, so a writer killed mid-run never leaves half a line for the next one.
@@ -50,6 +50,10 @@ class RecoveryEvent:
     rebuilt_at: float | None = None
     state_copied_at: float | None = None
     resumed_at: float | None = None
+    fault_tolerance: int | None = None
+    """The f the new plan tolerates (less than configured when too few nodes remain: see ``warnings``)."""
+    warnings: list[str] = field(default_factory=list)
+    """What the new plan warns of (f reduced, ...)."""
 
     @classmethod
     def from_membership(cls, membership: Membership) -> RecoveryEvent:
@@ -119,6 +123,8 @@ class EventLog:
         if self.logger is not None:
             metrics = {f"recovery/{phase}_s": seconds for phase, seconds in event.durations().items()}
             metrics["recovery/generation"] = float(event.generation)
+            if event.fault_tolerance is not None:
+                metrics["recovery/fault_tolerance"] = float(event.fault_tolerance)
             self.logger.log_metrics(metrics, step=step)
 
     def _append(self, record: dict[str, Any]) -> None:

@@ -1,76 +1,102 @@
 """In-process recovery: the procedure a worker runs when its generation's communication fails.
 
-**Step protocol.** Step ``t`` is: 1F1B and gradient sync (:meth:`PipelineEngine.train_step`), then a
-*commit*, an all-reduce over every worker of the global squared gradient norm (always issued; it is also
-the norm gradient clipping uses), then the local optimizer update. A gradient all-reduce completes only
-once every replica contributed, so when the commit completed on any worker, every worker had finished its
-gradient sync of step ``t``. After a failure the survivors therefore are in one of two states:
+**Units.** Everything a worker does with its peers is a *unit*, run by :meth:`Recovery.run`: a training
+step (1F1B and gradient sync, then a *commit*: one all-reduce over every worker of the squared gradient
+norm and the loss), an evaluation step, a reduce, a broadcast, a barrier, a checkpoint save. Workers run
+the same units in the same order (the training loop is the same program on every worker), and every unit
+ends with an all-reduce over every worker of the generation. An all-reduce completes only once every
+worker contributed, so when unit ``k`` completed on any worker, every worker had done all of unit ``k``
+but its result. After a failure the survivors are therefore in one of two places:
 
-* nobody completed the commit: every survivor is at step ``t - 1``; step ``t``'s gradients are dropped
-  and step ``t`` is redone with the same global batch, redistributed over the new pipelines;
-* some completed it (and applied step ``t``), others did not: the laggards adopt the committed norm and
-  apply step ``t`` locally under the old layout, before any state is copied.
+* inside unit ``k = D``, the newest unit any survivor is in: it is redone on the new generation (a
+  training step with the same global batch re-cut for the new pipelines, a reduce with the same input,
+  a checkpoint written anew);
+* inside the final all-reduce of unit ``D - 1``, which other survivors completed (*laggards*): they
+  adopt its result (the commit of a training step, the reduced value, ...) from a survivor that holds it
+  and return it as if their all-reduce had completed, so the code after the unit (the optimizer update
+  through the training loop's own code, clipping, hooks, schedulers) runs exactly as on every other worker.
 
 **Recovery** (:meth:`Recovery.recover`): agree on the new membership with the coordinator (the agent),
-exchange each survivor's position through the rendezvous store (the only channel that does not depend
-on the new plan), settle the step as above, compute the new plan with
+exchange each survivor's position through the rendezvous store (the only channel that does not depend on
+the new plan), settle as above and compute the new plan with
 :func:`~lightning_oobleck.planning.reconfigure.after_failures` (deterministic: every survivor gets the
-same plan from the same inputs), build the new generation's process groups, copy the layers and
-optimizer state the new plan moves (:mod:`~lightning_oobleck.recovery.state_transfer`), and switch the
-engine to the new layout. The switch is committed like a step: a barrier after the copy; a worker that
-copied but missed the barrier (a failure right then) adopts the copied layout in the next recovery, since
-the barrier's completion anywhere proves that every worker had finished its copy.
+same plan from the same inputs). The *switch* to that plan runs at the start of unit ``D`` on every
+worker, laggards included (so that the state they send is the one after their update): wait until every
+member arrived, build the new generation's process groups, copy the layers and optimizer state the new
+plan moves (:mod:`~lightning_oobleck.recovery.state_transfer`) into the same optimizer object (its
+parameter groups regrouped in place, so LR schedulers and every other reference to it stay valid), and
+switch the engine. The switch is committed like a unit: a barrier after the copy; a worker that copied
+but missed the barrier (a failure right then) adopts the copied layout in the next recovery, since the
+barrier's completion anywhere proves that every worker had finished its copy.
 
 A failure during recovery (a peer lost, an abort, a bounded wait running out) starts over with the next
 generation, at most ``max_attempts`` times. When the survivors cannot form a pipeline, or more failed than
-the plan tolerates, :class:`UnrecoverableFailure` is raised; if every layer still has a live replica the
-survivors first write a checkpoint (:mod:`torch.distributed.checkpoint`, global names) to resume from.
+the plan tolerates, :class:`UnrecoverableFailure` is raised at the switch; if every layer still has a live
+replica the survivors first write a checkpoint (:mod:`~lightning_oobleck.execution.checkpoint`) to resume
+from.
 """
 
 from __future__ import annotations
 
+import io
 import json
 import logging
 import time
+from collections import defaultdict
 from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import timedelta
 from functools import partial
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol, TypeVar
 
 import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from lightning_oobleck.execution.checkpoint import (
+    commit,
+    partial_path,
+    shard_name,
+    write_metadata,
+    write_shard,
+)
 from lightning_oobleck.execution.engine import PipelineEngine
 from lightning_oobleck.execution.errors import PeerFailure
 from lightning_oobleck.execution.process_groups import ProcessGroups
 from lightning_oobleck.execution.stage import LayerSource, StageModule, build_stage
 from lightning_oobleck.planning.plan import Plan
-from lightning_oobleck.planning.reconfigure import ReconfigurationError, after_failures
+from lightning_oobleck.planning.reconfigure import Reconfiguration, ReconfigurationError, after_failures
 from lightning_oobleck.recovery.agent import AgreementTimeout, WorkerAgent
 from lightning_oobleck.recovery.events import EventLog, RecoveryEvent
 from lightning_oobleck.recovery.protocol import Membership
-from lightning_oobleck.recovery.state_transfer import (
-    ParamState,
-    copy_hyperparameters,
-    load_state_by_name,
-    state_by_name,
-    transfer_state,
-)
+from lightning_oobleck.recovery.state_transfer import load_state_by_name, state_by_name, transfer_state
 
 log = logging.getLogger(__name__)
 
-OptimizerFactory = Callable[[StageModule], torch.optim.Optimizer]
-"""Builds the optimizer over a stage module's parameters (the same groups for any set of layers)."""
+T = TypeVar("T")
 
-ApplyUpdate = Callable[[torch.optim.Optimizer, float], None]
-"""Applies one step's update given the global squared gradient norm (clip, ``step()``, scheduler...)."""
+Unit = Callable[[PipelineEngine], T]
+"""One unit of work with the peers under the plan of the moment (see the module docstring)."""
 
-CheckpointMetadata = Callable[[], dict[str, Any]]
-"""The non-tensor entries of a survivors' checkpoint (e.g. Lightning's loops, schedulers, data position),
-taken mid-step: the interrupted step must be the one a resume starts with."""
+
+class RecoveryHost(Protocol):
+    """What the training loop around a :class:`Recovery` provides (the Lightning glue implements it)."""
+
+    def build_optimizer(self, module: StageModule) -> torch.optim.Optimizer:
+        """A new optimizer over ``module``'s parameters with the parameter groups training uses.
+
+        Only its grouping is used: the live optimizer keeps its identity, hyperparameters and state."""
+        ...
+
+    def checkpoint_metadata(self) -> dict[str, Any]:
+        """The non-tensor entries of a survivors' checkpoint (the loop's counters, schedulers, data
+        position), taken at the start of the interrupted unit: a resume must redo exactly that unit."""
+        ...
+
+    def switched(self, recovery: Recovery, event: RecoveryEvent) -> None:
+        """The worker now runs ``recovery.plan`` on ``recovery.engine`` (called after every switch)."""
+        ...
 
 
 class UnrecoverableFailure(RuntimeError):
@@ -78,24 +104,15 @@ class UnrecoverableFailure(RuntimeError):
 
 
 @dataclass
-class StepLedger:
-    """Where this worker stands in the step protocol."""
+class Ledger:
+    """Where this worker stands: units completed, the last one's result, optimizer steps applied."""
 
-    applied: int = 0
-    """Optimizer steps applied: the step to run next."""
-    synced: bool = False
-    """The gradients of step ``applied`` are summed over every replica (its gradient sync finished)."""
-    last_commit: list[float] | None = None
-    """The committed values of step ``applied - 1`` (``[grad-norm², *extra]``: :meth:`Recovery.commit`)."""
-
-
-@dataclass(frozen=True)
-class RecoveryOutcome:
-    """What a recovery did: its event, and the commit of the interrupted step when this worker applied
-    it during the recovery (it had missed a commit that other survivors saw), else ``None`` (redo it)."""
-
-    event: RecoveryEvent
-    caught_up: list[float] | None
+    done: int = 0
+    """Units completed in this run (the same count on every worker at the same point of the program)."""
+    result: bytes = b""
+    """The serialised result of unit ``done - 1``: what a laggard inside that unit adopts."""
+    steps: int = 0
+    """Optimizer steps applied (Lightning's ``global_step``)."""
 
 
 @dataclass
@@ -105,16 +122,28 @@ class _Copied:
     generation: int
     plan: Plan
     module: StageModule
-    state: ParamState
+    state: dict[str, dict[str, Any]]
+
+
+@dataclass
+class _Switch:
+    """What the next unit must start with: the agreed membership and the plan for it, or the error that
+    stops training (with the survivors' checkpoint first)."""
+
+    membership: Membership
+    event: RecoveryEvent
+    plan: Reconfiguration | ReconfigurationError
+    newest_done: int
 
 
 class Recovery:
-    """Runs a worker's steps under the step protocol and recovers them in place after failures.
+    """Runs a worker's units under the unit protocol and recovers them in place after failures.
 
     ``engine`` must wait on ``agent.abort`` (``PipelineEngine(..., abort=agent.abort)``) and
     ``optimizer`` must hold exactly ``engine.module``'s parameters. ``layers``, ``seed`` and ``dtype``
     are what the engine was built with (to materialise layers a worker receives). ``store`` is the
-    rendezvous store the process groups use, hosted outside the workers.
+    rendezvous store the process groups use, hosted outside the workers. ``group_timeout`` bounds every
+    wait of a generation (collectives, the store exchange, the arrival of every member at a switch).
     """
 
     def __init__(
@@ -124,8 +153,7 @@ class Recovery:
         engine: PipelineEngine,
         optimizer: torch.optim.Optimizer,
         layers: LayerSource,
-        make_optimizer: OptimizerFactory,
-        apply_update: ApplyUpdate,
+        host: RecoveryHost,
         *,
         seed: int = 0,
         dtype: torch.dtype | None = None,
@@ -134,7 +162,6 @@ class Recovery:
         agreement_timeout: float = 60.0,
         max_attempts: int = 4,
         checkpoint_dir: str | Path | None = None,
-        checkpoint_metadata: CheckpointMetadata | None = None,
         events: EventLog | None = None,
     ) -> None:
         if engine.abort is not agent.abort:
@@ -146,126 +173,139 @@ class Recovery:
         self.store = store
         self.engine = engine
         self.optimizer = optimizer
-        self.make_optimizer = make_optimizer
-        self.apply_update = apply_update
+        self.host = host
         self.backend = backend
         self.group_timeout = group_timeout
         self.agreement_timeout = agreement_timeout
         self.max_attempts = max_attempts
         self.checkpoint_dir = Path(checkpoint_dir) if checkpoint_dir is not None else None
-        self.checkpoint_metadata = checkpoint_metadata or (lambda: {"global_step": self.ledger.applied})
         self.events = events
-        self.ledger = StepLedger()
+        self.ledger = Ledger()
         self.plan = engine.plan
         self.module = engine.module
         self.generation = engine.groups.generation
         self.worker = engine.groups.worker
         self.members = agent.members
         """The agreed membership of the generation this worker runs."""
+        self.last_event: RecoveryEvent | None = None
+        """The newest recovery this worker took part in."""
         self._build_layers = partial(build_stage, layers, device=engine.device, seed=seed, dtype=dtype)
         self._copied: _Copied | None = None
+        self._switch: _Switch | None = None
         self._pending_groups: ProcessGroups | None = None
-        self._abandoned: list[dist.ProcessGroup] = []
+        self._finishing = False
+        self._aborted: list[dist.ProcessGroup] = []
         """Groups of failed generations, kept referenced: their destructor would wait like a shutdown."""
 
-    # ------------------------------------------------------------------ the step protocol
+    # ------------------------------------------------------------------ units
 
-    def run_step(
-        self,
-        attempt: Callable[[PipelineEngine], Tensor | None],
-        after_recovery: Callable[[RecoveryOutcome], None] | None = None,
-    ) -> tuple[list[float], bool]:
-        """Run step ``ledger.applied``'s pipeline part and commit it; after a failure, recover and redo it.
+    def run(self, unit: Unit[T]) -> T:
+        """Run ``unit(engine)`` with the peers; after a failure, recover and redo it or adopt its result.
 
-        ``attempt(engine)`` runs this worker's 1F1B and gradient sync under the plan of the moment and
-        returns its part of the loss (last stages) or ``None``; it is called again on the new pipelines
-        after a recovery, which ``after_recovery`` hears of first. Returns the commit ``[global squared
-        gradient norm, global loss]`` and whether a recovery already applied the step (this worker had
-        missed a commit that other survivors saw): the caller must then not apply it again.
+        ``unit`` must end with an all-reduce over every worker (see the module docstring), be safe to call
+        again on a new engine after a failure, and return a picklable result. A switch agreed in an earlier
+        recovery runs first.
         """
         while True:
             try:
-                if not self.agent.abort.is_set():
-                    part = attempt(self.engine)
-                    loss = part if part is not None else torch.zeros((), device=self.engine.device)
-                    return self.commit(loss.reshape(1)), False
+                if self._switch is not None:
+                    self._run_switch(self._switch)
+                if self.agent.abort.is_set():
+                    raise PeerFailure("a failure was announced before the unit started")
+                result = unit(self.engine)
             except PeerFailure as e:
-                log.warning("step %d interrupted: %s", self.ledger.applied, e)
-            outcome = self.recover()
-            if after_recovery is not None:
-                after_recovery(outcome)
-            if outcome.caught_up is not None:
-                return outcome.caught_up, True
+                log.warning("unit %d interrupted: %s", self.ledger.done, e)
+                adopted = self.recover()
+                if adopted is None:
+                    continue
+                result = _load(adopted)
+            self._completed(result)
+            return result
 
-    def train_step(self, batch: Callable[[int], tuple[Tensor, Tensor]]) -> float:
-        """Run step ``ledger.applied`` to completion (:meth:`run_step`, then the update); return the loss.
+    def _completed(self, result: Any) -> None:
+        self.ledger.done += 1
+        self.ledger.result = _dump(result)
 
-        ``batch(step)`` returns that step's whole global batch ``(inputs, targets)``; each pipeline
-        takes its slice under the plan of the moment.
-        """
+    def all_reduce(self, tensor: Tensor, op: dist.ReduceOp.RedOpType = dist.ReduceOp.SUM) -> Tensor:
+        """A reduce unit: ``tensor`` summed over every worker (a new tensor; ``tensor`` stays for a redo)."""
+        return self.run(lambda engine: engine.groups.all_reduce(tensor.clone(), self.agent.abort, op))
 
-        def attempt(engine: PipelineEngine) -> Tensor | None:
-            inputs, targets = batch(self.ledger.applied)
-            return engine.train_step(
+    def barrier(self) -> None:
+        """A barrier unit."""
+        self.all_reduce(torch.zeros(1, device=self.engine.device))
+
+    def commit(self, engine: PipelineEngine, loss: Tensor | None) -> list[float]:
+        """The training step's final all-reduce (:meth:`PipelineEngine.commit`): the step's result."""
+        return engine.commit(loss)
+
+    def train_step(
+        self,
+        batch: Callable[[int], tuple[Tensor, Tensor]],
+        update: Callable[[torch.optim.Optimizer, float], None],
+    ) -> float:
+        """A whole training step of a plain loop: the step unit, then ``update(optimizer, norm²)``, then
+        :meth:`advance`. ``batch(step)`` returns that step's whole global batch ``(inputs, targets)``; each
+        pipeline takes its slice under the plan of the moment. Returns the global mean loss."""
+
+        def step(engine: PipelineEngine) -> list[float]:
+            self.drop_gradients()
+            inputs, targets = batch(self.ledger.steps)
+            loss = engine.train_step(
                 inputs[engine.batch_slice] if engine.is_first_stage else None,
                 targets[engine.batch_slice] if engine.is_last_stage else None,
             )
+            return self.commit(engine, loss)
 
-        committed, applied = self.run_step(attempt)
-        if not applied:
-            self.apply(committed)
+        committed = self.run(step)
+        update(self.optimizer, committed[0])
+        self.advance()
         return committed[1]
 
-    def commit(self, extra: Tensor | None = None) -> list[float]:
-        """The step's commit, after :meth:`PipelineEngine.train_step` returned: all-reduce (sum, abortable)
-        ``[this worker's part of the squared gradient norm, *extra]`` over every worker.
-
-        ``extra``: more per-worker values to sum in the same all-reduce (e.g. the loss parts). Returns
-        ``[global squared gradient norm, *summed extra]``.
-        """
-        self.ledger.synced = True
-        values = self.engine.grad_norm_sq().reshape(1)
-        if extra is not None:
-            values = torch.cat([values, extra.detach().to(values).reshape(-1)])
-        waiter = self.engine.groups.waiter
-        with waiter.issuing():
-            work = dist.all_reduce(values, async_op=True)
-        self._wait_commit(work)
-        return values.tolist()
-
-    def _wait_commit(self, work: dist.Work) -> None:
-        self.engine.groups.waiter.wait([work], self.agent.abort)
-
-    def apply(self, committed: list[float]) -> None:
-        """Apply the committed step locally (``apply_update``) and :meth:`advance`."""
-        self.apply_update(self.optimizer, committed[0])
-        self.advance(committed)
+    def drop_gradients(self) -> None:
+        """Clear the gradients of the layers held now (before a step, or its redo, accumulates new ones)."""
+        self.module.zero_grad(set_to_none=True)
 
     def start_at(self, step: int) -> None:
-        """Number the steps from ``step`` (a fit resumed from a checkpoint starts past 0)."""
-        self.ledger = StepLedger(step)
+        """Number the optimizer steps from ``step`` (a fit resumed from a checkpoint starts past 0)."""
+        self.ledger.steps = step
 
-    def advance(self, committed: list[float]) -> None:
-        """Record that the committed step was applied (by :meth:`apply` or by the caller itself)."""
-        self.module.zero_grad(set_to_none=True)
-        self.ledger = StepLedger(self.ledger.applied + 1, False, committed)
+    def advance(self) -> None:
+        """Record that an optimizer step was applied."""
+        self.ledger.steps += 1
+
+    def finish(self) -> None:
+        """The last unit of a run (a barrier): when it completes anywhere, every worker finished every unit.
+
+        A worker that completes it says so in the store before it leaves, so that a worker still in the
+        barrier when a peer fails finishes too instead of redoing work with the survivors.
+        """
+        self._finishing = True
+        self.barrier()
+        self._switch = None
+        self.store.set(self._finished_key(), b"1")
+
+    def _finished_key(self) -> str:
+        return f"oobleck/recovery/finished/gen{self.generation}"
 
     # ------------------------------------------------------------------ recovery
 
-    def recover(self) -> RecoveryOutcome:
-        """Agree on the survivors, settle the step, re-plan, rebuild groups, copy state, switch.
+    def recover(self) -> bytes | None:
+        """Agree on the survivors, settle the units, re-plan; the switch runs at the next unit's start.
 
-        Raises :class:`UnrecoverableFailure` when training cannot continue in place.
+        Returns the serialised result of the interrupted unit when other survivors completed it (this
+        worker then returns it as the unit's result), else ``None`` (redo the unit).
         """
         detected = self.agent.aborted_at
-        after = self.generation
-        interrupted: RecoveryEvent | None = None
+        after = self.generation if self._switch is None else self._switch.membership.generation
+        previous = self.last_event
         for attempt in range(1, self.max_attempts + 1):
             try:
                 membership = self.agent.agree(after, self.agreement_timeout)
             except AgreementTimeout as e:
                 raise UnrecoverableFailure(f"the survivors did not agree on a membership: {e}") from e
             after = membership.generation
+            if self._finishing and self.store.check([self._finished_key()]):
+                return _dump(None)  # the last unit completed elsewhere: every unit of the run is done
             event = RecoveryEvent.from_membership(membership)
             event.detected_at = event.detected_at or detected
             if self.members is not None:
@@ -273,42 +313,47 @@ class Recovery:
                 # whose agreement or recovery failed is folded into this event: say who left since the
                 # generation this worker ran.
                 event.removed = [list(w) for w in sorted(set(self.members.workers) - set(membership.workers))]
-            if interrupted is not None:
-                event.cause = "; ".join(c for c in (interrupted.cause, event.cause) if c)
-                event.detected_at = interrupted.detected_at
-            interrupted = event
-            applied = self.ledger.applied
+            if previous is not None and previous.resumed_at is None:
+                event.cause = "; ".join(c for c in (previous.cause, event.cause) if c)
+                event.detected_at = previous.detected_at
+            previous = self.last_event = event
+            self._drop_groups()
             try:
-                self._recover_to(membership, event)
-            except (PeerFailure, dist.DistError) as e:
+                records = self._exchange(membership)
+            except PeerFailure as e:
                 log.warning("recovery to generation %d failed (attempt %d): %s", after, attempt, e)
                 continue
-            self.members = membership
-            if self.events is not None and membership.workers[0] == self.worker:
-                self.events.recovery(event, step=self.ledger.applied)
-            caught_up = self.ledger.last_commit if self.ledger.applied > applied else None
-            return RecoveryOutcome(event, caught_up)
+            self._adopt_copied_layout(records)
+            newest = max(r["done"] for r in records.values())
+            failed = set(self.plan.nodes) - set(membership.nodes)
+            try:
+                plan: Reconfiguration | ReconfigurationError = after_failures(self.plan, failed)
+            except ReconfigurationError as e:
+                plan = e
+            event.mark("replanned")
+            self._switch = _Switch(membership, event, plan, newest)
+            if self.ledger.done == newest:
+                return None
+            if self.ledger.done == newest - 1:
+                source = next(w for w, r in records.items() if r["done"] == newest)
+                log.warning("unit %d was completed by other survivors: adopting its result", self.ledger.done)
+                return self._read(membership, source, "result")
+            raise UnrecoverableFailure(
+                f"this worker completed {self.ledger.done} units, other survivors {newest}: the unit "
+                "protocol was violated (a collective outside Recovery.run?); resume from the last checkpoint"
+            )
         raise UnrecoverableFailure(
             f"recovery failed {self.max_attempts} times in a row (last generation {after}): failures keep "
             "happening; resume from the last checkpoint (Trainer.fit(ckpt_path=...)) on healthy nodes"
         )
 
-    def _recover_to(self, membership: Membership, event: RecoveryEvent) -> None:
-        self._drop_groups()
-        if membership.added:
-            raise UnrecoverableFailure(
-                f"workers {[tuple(w) for w in membership.added]} joined during a failure recovery: joining "
-                "is done at a step boundary with `oobleck replan --add`, not in this path"
-            )
-        records = self._exchange(membership)
-        self._adopt_copied_layout(records)
-        self._settle_step(records)
-        failed = set(self.plan.nodes) - set(membership.nodes)
-        try:
-            reconfiguration = after_failures(self.plan, failed)
-        except ReconfigurationError as e:
-            self._checkpoint_and_stop(membership, records, e)
-        event.mark("replanned")
+    def _run_switch(self, switch: _Switch) -> None:
+        """Move to the agreed plan with every member: build groups, copy state, barrier, install."""
+        membership, event = switch.membership, switch.event
+        self._wait_for_members(membership, "switch")
+        if isinstance(switch.plan, ReconfigurationError):
+            self._checkpoint_and_stop(membership, switch.plan)
+        reconfiguration = switch.plan
         groups = self._pending_groups = self._new_groups(reconfiguration.plan, membership.generation)
         event.mark("rebuilt")
         module, state = transfer_state(
@@ -320,12 +365,25 @@ class Recovery:
             self.agent.abort,
         )
         self._copied = _Copied(membership.generation, reconfiguration.plan, module, state)
-        self._barrier(groups)
+        self._switch_barrier(groups)
         self._install(self._copied)
+        self._copied = None
         event.mark("state_copied")
         self.engine.reconfigure(groups, self.module)
         self._pending_groups = None
+        self._switch = None
+        self.members = membership
         event.mark("resumed")
+        event.fault_tolerance = reconfiguration.plan.fault_tolerance
+        event.warnings = list(reconfiguration.plan.warnings)
+        for warning in event.warnings:
+            log.warning("%s", warning)
+        if self.events is not None and membership.workers[0] == self.worker:
+            self.events.recovery(event, step=self.ledger.steps)
+        self.host.switched(self, event)
+
+    def _switch_barrier(self, groups: ProcessGroups) -> None:
+        groups.all_reduce(torch.ones(1, device=self.engine.device), self.agent.abort)
 
     def _new_groups(self, plan: Plan, generation: int) -> ProcessGroups:
         try:
@@ -337,33 +395,43 @@ class Recovery:
 
     def _drop_groups(self) -> None:
         """Leave the failed generation(s) without waiting for operations stuck on silent peers."""
-        self._abandoned += self.engine.groups.abandon()
+        self._aborted += self.engine.groups.abort()
         if self._pending_groups is not None:
-            self._abandoned += self._pending_groups.abandon()
+            self._aborted += self._pending_groups.abort()
             self._pending_groups = None
 
-    def _exchange(self, membership: Membership) -> dict[tuple[int, int], dict[str, Any]]:
-        """Every member's position (layout generation, copied layout, step) through the store."""
-        prefix = f"oobleck/recovery/gen{membership.generation}/"
-        mine = {
-            "layout": self.generation,
-            "copied": self._copied.generation if self._copied else -1,
-            "applied": self.ledger.applied,
-            "synced": self.ledger.synced,
-            "last_commit": self.ledger.last_commit,
-        }
-        self.store.set(f"{prefix}{self.worker[0]}.{self.worker[1]}", json.dumps(mine))
-        keys = [f"{prefix}{node}.{device}" for node, device in membership.workers]
+    def _key(self, membership: Membership, what: str, worker: tuple[int, int]) -> str:
+        return f"oobleck/recovery/gen{membership.generation}/{what}/{worker[0]}.{worker[1]}"
+
+    def _wait_for_members(self, membership: Membership, what: str) -> None:
+        """Publish that this worker reached ``what`` and wait (bounded, abortable) until every member did."""
+        self.store.set(self._key(membership, what, self.worker), b"1")
+        keys = [self._key(membership, what, w) for w in membership.workers]
         deadline = time.monotonic() + self.group_timeout.total_seconds()
         while not self.store.check(keys):
             if self.agent.abort.is_set():
-                raise PeerFailure("another failure happened while the survivors exchanged their positions")
+                raise PeerFailure(
+                    f"another failure happened while the survivors waited for each other ({what})"
+                )
             if time.monotonic() > deadline:
-                raise PeerFailure(f"not every survivor published its position within {self.group_timeout}")
-            time.sleep(0.005)
+                raise PeerFailure(f"not every survivor reached the {what} within {self.group_timeout}")
+            time.sleep(0.002)
+
+    def _read(self, membership: Membership, worker: tuple[int, int], what: str) -> bytes:
+        return self.store.get(self._key(membership, what, worker))
+
+    def _exchange(self, membership: Membership) -> dict[tuple[int, int], dict[str, Any]]:
+        """Every member's position (layout generation, copied layout, units done) through the store."""
+        mine = {
+            "layout": self.generation,
+            "copied": self._copied.generation if self._copied else -1,
+            "done": self.ledger.done,
+        }
+        self.store.set(self._key(membership, "result", self.worker), self.ledger.result)
+        self.store.set(self._key(membership, "position", self.worker), json.dumps(mine))
+        self._wait_for_members(membership, "exchange")
         return {
-            (w.node, w.device): json.loads(self.store.get(k))
-            for w, k in zip(membership.workers, keys, strict=True)
+            (w.node, w.device): json.loads(self._read(membership, w, "position")) for w in membership.workers
         }
 
     def _adopt_copied_layout(self, records: dict[tuple[int, int], dict[str, Any]]) -> None:
@@ -378,47 +446,29 @@ class Recovery:
             self._install(self._copied)
         self._copied = None
 
-    def _settle_step(self, records: dict[tuple[int, int], dict[str, Any]]) -> None:
-        """Finish a step some survivor committed; otherwise drop the interrupted step's gradients."""
-        newest = max(r["applied"] for r in records.values())
-        if self.ledger.applied == newest - 1 and self.ledger.synced:
-            committed = next(r["last_commit"] for r in records.values() if r["applied"] == newest)
-            log.warning("step %d was committed by other survivors: applying it here too", newest - 1)
-            self.apply(committed)
-        elif self.ledger.applied != newest:
-            raise UnrecoverableFailure(
-                f"this worker applied {self.ledger.applied} steps, other survivors {newest}, and it has no "
-                "synced gradients to catch up with: the step protocol was violated"
-            )
-        self.module.zero_grad(set_to_none=True)
-        self.ledger.synced = False
-
-    def _barrier(self, groups: ProcessGroups) -> None:
-        flag = torch.ones(1, device=self.engine.device)
-        with groups.waiter.issuing():
-            work = dist.all_reduce(flag, async_op=True)
-        groups.waiter.wait([work], self.agent.abort)
-
     def _install(self, copied: _Copied) -> None:
-        """Make ``copied`` the layout this worker holds, with a fresh optimizer carrying its state."""
-        optimizer = self.make_optimizer(copied.module)
-        copy_hyperparameters(self.optimizer, optimizer)
-        load_state_by_name(optimizer, copied.module, copied.state)
+        """Make ``copied`` the layout this worker holds, in the same optimizer object: its parameter
+        groups regrouped for the new layers (as the host groups them), the state loaded by name."""
+        fresh = self.host.build_optimizer(copied.module)
+        if len(fresh.param_groups) != len(self.optimizer.param_groups):
+            raise UnrecoverableFailure(
+                f"the optimizer built for the new layers has {len(fresh.param_groups)} param group(s), the "
+                f"running one {len(self.optimizer.param_groups)}: configure_optimizers must build the same "
+                "groups for any set of layers (e.g. decay / no-decay, even when one is empty)"
+            )
+        for group, new in zip(self.optimizer.param_groups, fresh.param_groups, strict=True):
+            group["params"] = list(new["params"])
+        self.optimizer.state = defaultdict(dict)
+        load_state_by_name(self.optimizer, copied.module, copied.state)
         copied.module.zero_grad(set_to_none=True)
-        self.optimizer, self.module, self.plan = optimizer, copied.module, copied.plan
+        self.module, self.plan = copied.module, copied.plan
         self.generation = copied.generation
 
-    def _checkpoint_and_stop(
-        self,
-        membership: Membership,
-        records: dict[tuple[int, int], dict[str, Any]],
-        error: ReconfigurationError,
-    ) -> None:
-        """Write a checkpoint of the survivors' settled step (every layer once), then raise.
+    def _checkpoint_and_stop(self, membership: Membership, error: ReconfigurationError) -> None:
+        """Write a checkpoint of the survivors (every layer once), then raise.
 
-        ``checkpoint_metadata`` is written by group rank 0, which is a survivor that had applied the
-        newest step before :meth:`_settle_step`: a worker that caught up there applied the interrupted
-        step's update while its caller still stands in that step, so its metadata would redo the step.
+        Every survivor is at the start of the same unit (laggards applied the unit they adopted first), so
+        their states agree; the first member writes the metadata, from that very point.
         """
         alive = set(membership.nodes)
         writer = {
@@ -431,32 +481,43 @@ class Recovery:
                 f"every replica of layers {lost} is lost" if lost else "no checkpoint directory was given"
             )
             raise UnrecoverableFailure(f"{error} (no checkpoint written: {reason})") from error
-        from lightning_oobleck.lightning.checkpoint import save_sharded  # imports Lightning: only here
-
-        path = self.checkpoint_dir / f"survivors-step{self.ledger.applied}"
-        newest = max(r["applied"] for r in records.values())
-        order = sorted(records, key=lambda w: (records[w]["applied"] != newest, w))
-        rank = order.index(self.worker)
-        # Taken outside the checkpoint's group: a collective in a user's checkpoint hook fails, not hangs.
-        metadata = self.checkpoint_metadata() if rank == 0 else {}
-        dist.init_process_group(
-            self.backend,
-            store=dist.PrefixStore(f"gen{membership.generation}/checkpoint/", self.store),
-            rank=rank,
-            world_size=membership.world_size,
-            timeout=self.group_timeout,
+        path = self.checkpoint_dir / f"survivors-step{self.ledger.steps}"
+        partial = partial_path(path, f"gen{membership.generation}")
+        write_shard(
+            partial,
+            self.module,
+            [self.optimizer],
+            shard_name(self.worker),
+            lambda i: writer[i] == self.worker,
         )
-        try:
-            save_sharded(
-                path,
-                self.module,
-                [self.optimizer],
-                metadata,
-                is_writer_for_layer=lambda layer: writer[layer] == self.worker,
-            )
-        finally:
-            dist.destroy_process_group()
+        self._wait_for_members(membership, "checkpoint")
+        if membership.workers[0] == self.worker:
+            shards = {layer: shard_name(w) for layer, w in writer.items() if w is not None}
+            write_metadata(partial, self.host.checkpoint_metadata(), shards)
+            commit(partial, path)
+            self.store.set(self._key(membership, "checkpoint-committed", self.worker), b"1")
+        else:
+            self._wait_for(self._key(membership, "checkpoint-committed", membership.workers[0]))
         raise UnrecoverableFailure(
-            f"{error}. The survivors wrote a checkpoint of step {self.ledger.applied} to {path}: resume "
+            f"{error}. The survivors wrote a checkpoint of step {self.ledger.steps} to {path}: resume "
             f"with Trainer.fit(ckpt_path={str(path)!r}) on a new allocation"
         ) from error
+
+    def _wait_for(self, key: str) -> None:
+        deadline = time.monotonic() + self.group_timeout.total_seconds()
+        while not self.store.check([key]):
+            if time.monotonic() > deadline:
+                raise UnrecoverableFailure(
+                    f"the survivors' checkpoint was not committed within {self.group_timeout}"
+                )
+            time.sleep(0.005)
+
+
+def _dump(value: Any) -> bytes:
+    buffer = io.BytesIO()
+    torch.save(value, buffer)
+    return buffer.getvalue()
+
+
+def _load(data: bytes) -> Any:
+    return torch.load(io.BytesIO(data), weights_only=False)

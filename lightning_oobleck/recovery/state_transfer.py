@@ -62,18 +62,6 @@ def load_state_by_name(optimizer: torch.optim.Optimizer, module: StageModule, st
             }
 
 
-def copy_hyperparameters(source: torch.optim.Optimizer, target: torch.optim.Optimizer) -> None:
-    """Give ``target``'s param groups the hyperparameters (lr, betas, ...) ``source``'s groups have now
-    (an LR scheduler may have changed them since the optimizer was made)."""
-    if len(source.param_groups) != len(target.param_groups):
-        raise ValueError(
-            f"the rebuilt optimizer has {len(target.param_groups)} param group(s), the old one "
-            f"{len(source.param_groups)}: make the optimizer factory build the same groups for any layers"
-        )
-    for old, new in zip(source.param_groups, target.param_groups, strict=True):
-        new.update({k: v for k, v in old.items() if k != "params"})
-
-
 def _pack(module: StageModule, state: ParamState, layers: list[int]) -> bytes:
     prefixes = tuple(f"layers.{i}." for i in layers)
     payload = {

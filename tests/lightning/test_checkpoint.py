@@ -9,6 +9,7 @@ locally and compared bit for bit. Layout A (save): 2 pipelines of 2 stages on 4 
 from __future__ import annotations
 
 import itertools
+import json
 import time
 from pathlib import Path
 
@@ -20,7 +21,7 @@ from torch import nn
 from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint.metadata import BytesStorageMetadata
 
-from lightning_oobleck.lightning.checkpoint import (
+from lightning_oobleck.execution.checkpoint import (
     layer_of,
     load_metadata,
     load_sharded,
@@ -131,11 +132,11 @@ def save_layout_a(rank: int, out: Path) -> None:
         METADATA,
         is_writer_for_layer=lambda layer: writer_pipeline(layer) == PIPELINE_A[rank],
     )
-    save_sharded(out / "dcp-dedup", shard, [optimizer], METADATA)
+    save_sharded(out / "every-holder", shard, [optimizer], METADATA)
 
 
 def load_layout_b(rank: int, out: Path) -> None:
-    for name in ("by-rule", "dcp-dedup"):
+    for name in ("by-rule", "every-holder"):
         shard = Shard(LAYOUT_B[rank], seed=999)  # other initial weights, other learning rate
         optimizer = make_optimizer(shard, lr=0.5)
         load_sharded_model(out / name, shard)  # as the strategy does: weights first, optimizers after setup
@@ -146,10 +147,11 @@ def load_layout_b(rank: int, out: Path) -> None:
 
 
 def stored_files(path: Path) -> dict[str, set[str]]:
-    """Checkpoint key -> the shard files that store it, from DCP's own metadata."""
+    """Checkpoint key -> the shards that store it, from each shard's DCP metadata."""
     files: dict[str, set[str]] = {}
-    for index, info in FileSystemReader(path).read_metadata().storage_data.items():
-        files.setdefault(index.fqn, set()).add(info.relative_path)
+    for shard in sorted((path / "shards").iterdir()):
+        for index in FileSystemReader(shard).read_metadata().storage_data:
+            files.setdefault(index.fqn, set()).add(shard.name)
     return files
 
 
@@ -177,17 +179,25 @@ def test_each_layer_is_stored_once_by_its_writer(saved: Path):
     }
     for layer in range(NUM_LAYERS):
         (writer,) = writers[layer]
-        assert files[f"model.layers.{layer}.weight"] == {f"__{writer}_0.distcp"}
-    writing_ranks = {int(f.removeprefix("__").split("_")[0]) for where in files.values() for f in where}
+        assert files[f"model.layers.{layer}.weight"] == {f"rank{writer}"}
+    writing_ranks = {int(f.removeprefix("rank")) for where in files.values() for f in where}
     assert writing_ranks == {0, 1, 2, 3}  # both pipelines wrote, each its share
+    index = json.loads((saved / "by-rule" / "index.json").read_text())["layers"]
+    assert index == {str(layer): f"rank{writers[layer][0]}" for layer in range(NUM_LAYERS)}
 
-    dedup_files = stored_files(saved / "dcp-dedup")
-    assert dedup_files.keys() == files.keys()
-    assert all(len(where) == 1 for where in dedup_files.values())
-    metadata = FileSystemReader(saved / "by-rule").read_metadata()
+    # Without a rule every holder writes its layers, and the index names the lowest rank's copy.
+    every_holder = stored_files(saved / "every-holder")
+    assert every_holder.keys() == files.keys()
+    index = json.loads((saved / "every-holder" / "index.json").read_text())["layers"]
+    assert index == {
+        str(layer): f"rank{min(r for r in range(4) if layer in LAYOUT_A[r])}" for layer in range(6)
+    }
+    metadata = FileSystemReader(saved / "by-rule" / "shards" / "rank0").read_metadata()
     assert isinstance(
-        metadata.state_dict_metadata["optim.param_groups.layers.4.bias.lr"], BytesStorageMetadata
+        metadata.state_dict_metadata["optim.param_groups.layers.0.bias.lr"], BytesStorageMetadata
     )
+    # Committed: no partial directory is left beside the checkpoints.
+    assert not list(saved.glob(".*partial*"))
 
 
 @pytest.mark.timeout(120)
@@ -197,7 +207,7 @@ def test_load_into_three_stages_on_three_processes(saved: Path, tmp_path: Path):
 
 @pytest.mark.timeout(60)
 def test_load_into_one_process_holding_every_layer(saved: Path):
-    for name in ("by-rule", "dcp-dedup"):
+    for name in ("by-rule", "every-holder"):
         shard = Shard(range(NUM_LAYERS), seed=999)
         optimizer = make_optimizer(shard, lr=0.5)
         assert load_sharded(saved / name, shard, [optimizer]) == METADATA
@@ -208,7 +218,7 @@ def test_load_into_one_process_holding_every_layer(saved: Path):
 def test_not_a_checkpoint_is_a_clear_error(tmp_path: Path):
     with pytest.raises(FileNotFoundError, match="not a sharded Oobleck checkpoint"):
         load_metadata(tmp_path)
-    with pytest.raises(FileNotFoundError, match="no sharded checkpoint"):
+    with pytest.raises(FileNotFoundError, match="holds no sharded Oobleck checkpoint"):
         load_sharded_model(tmp_path, Shard(range(2)))
 
 

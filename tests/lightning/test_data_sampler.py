@@ -72,7 +72,7 @@ def test_after_a_plan_change_the_same_global_batch_is_resliced() -> None:
     new_shares = shares([4, 2])
     survivors = old[:2]
     for sampler, share in zip(survivors, new_shares, strict=True):
-        sampler.set_share(share)
+        sampler.set_share(share, layout=1)
     batches = [next(iter(s)) for s in survivors]
     assert [i for b in batches for i in b] == survivors[0].global_batch(0, 2)
 

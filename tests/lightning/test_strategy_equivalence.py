@@ -158,7 +158,7 @@ def test_resume_into_another_layout_equals_the_uninterrupted_run(reference: tupl
     saver = ModelCheckpoint(dirpath=tmp_path / "ckpt", every_n_train_steps=2, save_top_k=-1)
     run("1+3", 2, [saver])
     checkpoint = tmp_path / "ckpt" / "epoch=0-step=2.ckpt"
-    assert (checkpoint / ".metadata").exists()
+    assert (checkpoint / "index.json").exists() and (checkpoint / "lightning.pt").exists()
     resumed = run("2+1+1", STEPS, [], ckpt_path=str(checkpoint))
     weights = resumed.state_dict()
     for key, expected in ref_weights.items():

@@ -19,7 +19,6 @@ sample indices the pipeline's first stage fed, on first stages), ``recovery`` re
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
 import math
 import os
@@ -74,18 +73,42 @@ class FaultyRecovery(Recovery):
             self.report("fault", fault=kind, at=at)
             os.kill(os.getpid(), signum)
 
-    def _wait_commit(self, work: Any) -> None:
-        if self.fault("lag-commit", self.ledger.applied):
-            deadline = time.monotonic() + 10
-            while not self.agent.abort.is_set() and time.monotonic() < deadline:
-                time.sleep(0.01)
-            self.report("lagged", step=self.ledger.applied)
-            raise PeerFailure("test: this worker saw the commit only after the failure notice")
-        super()._wait_commit(work)
+    def commit(self, engine: PipelineEngine, loss: torch.Tensor | None) -> list[float]:
+        if not self.fault("lag-commit", self.ledger.steps):
+            return super().commit(engine, loss)
+        waiter = engine.groups.waiter
 
-    def _barrier(self, groups: ProcessGroups) -> None:
+        def see_it_late(works: Any, abort: Any) -> None:
+            """Contribute to the commit but see it complete only after the failure notice."""
+            deadline = time.monotonic() + 10
+            while not abort.is_set() and time.monotonic() < deadline:
+                time.sleep(0.01)
+            self.report("lagged", step=self.ledger.steps)
+            raise PeerFailure("test: this worker saw the commit only after the failure notice")
+
+        waiter.wait = see_it_late  # type: ignore[method-assign]
+        return super().commit(engine, loss)
+
+    def _switch_barrier(self, groups: ProcessGroups) -> None:
         self.inject("kill-copy", groups.generation)
-        super()._barrier(groups)
+        super()._switch_barrier(groups)
+
+
+class Host:
+    """The plain loop's side of recovery: AdamW over any layers, the step count as checkpoint metadata."""
+
+    def __init__(self) -> None:
+        self.recovery: Recovery | None = None
+
+    def build_optimizer(self, module: torch.nn.Module) -> torch.optim.Optimizer:
+        return optimizer(module.parameters())
+
+    def checkpoint_metadata(self) -> dict[str, Any]:
+        assert self.recovery is not None
+        return {"global_step": self.recovery.ledger.steps}
+
+    def switched(self, recovery: Recovery, event: Any) -> None:
+        pass
 
 
 def main() -> None:
@@ -115,9 +138,9 @@ def main() -> None:
     engine = PipelineEngine(model, gpt_loss, groups, CPU, seed=SEED, abort=agent.abort, dtype=torch.float64)
     pending: dict[str, Any] = {}
 
-    def apply_update(opt: torch.optim.Optimizer, norm_sq: float) -> None:
-        report("applied", step=recovery.ledger.applied, generation=recovery.generation, **pending)
-        recovery.inject("kill-commit", recovery.ledger.applied)
+    def update(opt: torch.optim.Optimizer, norm_sq: float) -> None:
+        report("applied", step=recovery.ledger.steps, generation=recovery.generation, **pending)
+        recovery.inject("kill-commit", recovery.ledger.steps)
         clip_and_step(opt, norm_sq)
 
     def batch(step: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -133,18 +156,18 @@ def main() -> None:
     def in_forward(_module: torch.nn.Module, _args: Any) -> None:
         forwards[0] += 1
         if forwards[0] == 3:  # a few layers into the step's 1F1B
-            recovery.inject("kill-forward", recovery.ledger.applied)
-            recovery.inject("stop-forward", recovery.ledger.applied, signal.SIGSTOP)
+            recovery.inject("kill-forward", recovery.ledger.steps)
+            recovery.inject("stop-forward", recovery.ledger.steps, signal.SIGSTOP)
 
     torch.nn.modules.module.register_module_forward_pre_hook(in_forward)
-    recovery = FaultyRecovery(
+    host = Host()
+    recovery = host.recovery = FaultyRecovery(
         agent,
         store,
         engine,
         optimizer(engine.module.parameters()),
         model,
-        lambda module: optimizer(module.parameters()),
-        apply_update,
+        host,
         seed=SEED,
         dtype=torch.float64,
         group_timeout=GROUP_TIMEOUT,
@@ -154,20 +177,19 @@ def main() -> None:
         report=report,
     )
     generation = recovery.generation
-    while recovery.ledger.applied < args.steps:
+    while recovery.ledger.steps < args.steps:
         try:
-            recovery.train_step(batch)
+            recovery.train_step(batch, update)
         except UnrecoverableFailure as e:
-            report("unrecoverable", step=recovery.ledger.applied, error=str(e))
+            report("unrecoverable", step=recovery.ledger.steps, error=str(e))
             out.flush()
             os._exit(UNRECOVERABLE_EXIT)
         if recovery.generation != generation:
             generation = recovery.generation
             report("recovered", generation=generation, plan=recovery.plan.to_dict()["pipelines"])
-    with contextlib.suppress(PeerFailure):  # peers may still be finishing the last commit
-        recovery._barrier(recovery.engine.groups)
+    recovery.finish()
     torch.save({n: p.detach().clone() for n, p in recovery.module.named_parameters()}, args.out + ".pt")
-    report("done", step=recovery.ledger.applied, generation=recovery.generation)
+    report("done", step=recovery.ledger.steps, generation=recovery.generation)
     out.flush()
     agent.close(finished=True)
     recovery.engine.groups.destroy()

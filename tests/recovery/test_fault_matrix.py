@@ -42,12 +42,12 @@ sys.path.insert(0, str(Path(__file__).parents[1] / "lightning"))
 from pipeline_testing import TinyNet, dataset
 
 from lightning_oobleck.lightning import GlobalBatchSampler, OobleckStrategy
+from lightning_oobleck.lightning.units import EVENTS_FILE
 from lightning_oobleck.planning.cluster import ClusterSpec
 from lightning_oobleck.planning.plan import Plan
 from lightning_oobleck.planning.planner import make_plan
 from lightning_oobleck.planning.profile import LayerProfile, ModelProfile
 from lightning_oobleck.recovery import read_events
-from lightning_oobleck.recovery.fit import EVENTS_FILE
 
 SEED, STEPS, CLIP, GLOBAL_BATCH, MICRO, SAMPLES = 3, 5, 0.05, 12, 2, 36
 
@@ -89,7 +89,7 @@ class Faults(L.Callback):
         self.worker = trainer.strategy._environment().worker
         self.name = f"{self.worker[0]}.{self.worker[1]}"
         self.engine = lambda: trainer.strategy.engine
-        recovery = trainer.strategy._fit_recovery.recovery
+        recovery = trainer.strategy._units.recovery
         build_groups = recovery._new_groups
 
         def build_groups_then_fire(*args: Any) -> Any:

@@ -26,7 +26,7 @@ from runtime_worker import MAX_NORM, UNRECOVERABLE_EXIT  # also makes tests/exec
 from torch.distributed import TCPStore
 
 from lightning_oobleck.execution import build_reference_model
-from lightning_oobleck.lightning.checkpoint import load_sharded_model
+from lightning_oobleck.execution.checkpoint import load_sharded_model
 from lightning_oobleck.planning.cluster import ClusterSpec
 from lightning_oobleck.planning.plan import Plan
 from lightning_oobleck.planning.planner import make_plan

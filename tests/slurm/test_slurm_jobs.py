@@ -23,7 +23,7 @@ from gpt_training import CHECKPOINT, CRASH_AT_STEP, EXAMPLE, STEPS, events, full
 from slurm_cluster import REPO, Cluster, DownWatch
 
 from lightning_oobleck.cli import submit as submit_cli
-from lightning_oobleck.lightning.checkpoint import load_sharded_model
+from lightning_oobleck.execution.checkpoint import load_sharded_model
 from lightning_oobleck.slurm.cluster import TERMINAL_STATES, JobRecord, job_records, run
 from lightning_oobleck.slurm.config import SubmitConfig, SubmitConfigError
 from lightning_oobleck.slurm.submit import collect, submit, wait

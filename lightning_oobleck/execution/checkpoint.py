@@ -1,0 +1,242 @@
+"""Sharded checkpoints that load into any layout, written without collectives and committed atomically.
+
+A checkpoint is a directory:
+
+* ``shards/<node>.<device>/``: one ``torch.distributed.checkpoint`` (DCP) checkpoint per writing worker,
+  written by that worker alone: the layers it writes under their global names (``model.layers.7.attn.weight``)
+  and their optimizer state keyed by the same names (``optim.state.layers.7.attn.weight.exp_avg``,
+  ``optim.param_groups.layers.7.attn.weight.lr``: torch's *flattened* optimizer state dict, made for
+  pipeline parallelism). A layer replicated over several pipelines is written by one worker only
+  (``is_writer_for_layer``);
+* ``index.json``: the shard that holds each layer;
+* ``lightning.pt``: Lightning's other checkpoint entries (global step, epoch, loops, LR schedulers,
+  callbacks, data position...), a normal ``torch.save`` file.
+
+Because names are global, loading is layout-free: each worker reads exactly the layers it owns now (another
+node count, other stage boundaries, or one process holding everything) and their optimizer state.
+
+Writing needs no collective, so a peer lost during a save cannot leave a worker blocked inside DCP. Every
+worker writes its shard into the same temporary sibling directory (:func:`partial_path`); the caller
+confirms with its own collective that every shard is written, writes the index and metadata, and moves the
+directory into place with :func:`commit`: a checkpoint path never holds a half-written checkpoint.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import warnings
+from collections.abc import Callable, Iterable, Iterator, Mapping
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch import nn
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_model_state_dict,
+    get_optimizer_state_dict,
+    set_model_state_dict,
+    set_optimizer_state_dict,
+)
+from torch.optim import Optimizer
+
+from lightning_oobleck.planning.plan import Plan
+
+METADATA_FILE = "lightning.pt"
+INDEX_FILE = "index.json"
+SHARDS_DIR = "shards"
+_OPTIONS = StateDictOptions(flatten_optimizer_state_dict=True)
+_LAYER = re.compile(r"(?:^|\.)layers\.(\d+)\.")
+
+
+def layer_of(name: str) -> int | None:
+    """The global layer index in a state-dict key (``layers.7.attn.weight`` -> 7), ``None`` outside layers."""
+    match = _LAYER.search(name)
+    return int(match.group(1)) if match else None
+
+
+def shard_name(worker: tuple[int, int]) -> str:
+    """The shard directory of worker ``(node, device)``."""
+    return f"{worker[0]}.{worker[1]}"
+
+
+def layer_writers(plan: Plan) -> dict[int, tuple[int, int]]:
+    """Who writes each layer under ``plan``: its replica in the lowest-numbered pipeline holding it."""
+    return {layer: plan.layer_owners(layer)[0] for layer in range(plan.num_layers)}
+
+
+def lowest_pipeline_writes(plan: Plan, worker: tuple[int, int]) -> Callable[[int], bool]:
+    """``is_writer_for_layer`` for ``worker`` under ``plan`` (:func:`layer_writers`)."""
+    written = {layer for layer, writer in layer_writers(plan).items() if writer == worker}
+    return written.__contains__
+
+
+def partial_path(path: str | Path, attempt: str) -> Path:
+    """Where the shards of checkpoint ``path`` are written before :func:`commit` (a hidden sibling)."""
+    path = Path(path)
+    return path.parent / f".{path.name}.partial-{attempt}"
+
+
+def write_shard(
+    directory: str | Path,
+    module: nn.Module,
+    optimizers: Iterable[Optimizer],
+    name: str,
+    is_writer_for_layer: Callable[[int], bool] = lambda layer: True,
+) -> list[int]:
+    """Write this worker's layers (and their optimizer state) as shard ``name`` of ``directory``.
+
+    Needs no other process. Returns the layers written. ``module``'s parameters must all be named
+    ``...layers.<global index>...`` (the engine's stage module); ``optimizers`` must hold only them.
+    """
+    optimizers = list(optimizers)
+    state = {"model": get_model_state_dict(module, options=_OPTIONS)}
+    if optimizers:
+        state["optim"] = get_optimizer_state_dict(module, optimizers, options=_OPTIONS)
+    outside = [key for entries in state.values() for key in entries if layer_of(key) is None]
+    if outside:
+        raise ValueError(
+            f"checkpoint entries {outside[:3]} belong to no layer: a sharded checkpoint holds the pipeline's "
+            "layers only (module parameters named layers.<index>.*)"
+        )
+    state = {
+        part: {k: v for k, v in entries.items() if is_writer_for_layer(layer_of(k))}  # type: ignore[arg-type]
+        for part, entries in state.items()
+    }
+    written = sorted({layer_of(k) for entries in state.values() for k in entries})  # type: ignore[type-var]
+    with _one_process():
+        dcp.save(state, checkpoint_id=Path(directory) / SHARDS_DIR / name, no_dist=True)
+    return written  # type: ignore[return-value]
+
+
+def write_metadata(directory: str | Path, metadata: Mapping[str, Any], shards: Mapping[int, str]) -> None:
+    """Write Lightning's entries and the index (``shards[layer]`` = the shard holding that layer)."""
+    directory = Path(directory)
+    torch.save(dict(metadata), directory / METADATA_FILE)
+    index = {"layers": {str(layer): shards[layer] for layer in sorted(shards)}}
+    (directory / INDEX_FILE).write_text(json.dumps(index))
+
+
+def commit(partial: str | Path, path: str | Path) -> None:
+    """Move the finished checkpoint ``partial`` to ``path``, replacing what is there; then delete the
+    leftovers of earlier, abandoned attempts at ``path``. Idempotent: a no-op once ``partial`` is gone."""
+    partial, path = Path(partial), Path(path)
+    if partial.exists():
+        if path.exists():
+            old = path.parent / f".{path.name}.old-{os.getpid()}"
+            shutil.rmtree(old, ignore_errors=True)
+            path.rename(old)
+            partial.rename(path)
+            shutil.rmtree(old, ignore_errors=True)
+        else:
+            partial.rename(path)
+    for leftover in path.parent.glob(f".{path.name}.partial-*"):
+        shutil.rmtree(leftover, ignore_errors=True)
+
+
+def save_sharded(
+    path: str | Path,
+    module: nn.Module,
+    optimizers: Iterable[Optimizer],
+    metadata: Mapping[str, Any],
+    *,
+    is_writer_for_layer: Callable[[int], bool] | None = None,
+) -> None:
+    """Collective over the default group (or one process without it): write and commit a checkpoint.
+
+    ``is_writer_for_layer``: whether this process writes layer ``i``; ``None`` lets every holder write it
+    and the index names the lowest rank's copy. Blocking: code that must survive a lost peer writes with
+    :func:`write_shard` and confirms with its own abortable collective instead.
+    """
+    distributed = dist.is_initialized()
+    rank = dist.get_rank() if distributed else 0
+    partial = partial_path(path, "collective")
+    name = f"rank{rank}"
+    written = write_shard(partial, module, optimizers, name, is_writer_for_layer or (lambda layer: True))
+    everyone: list[Any] = [(name, written)]
+    if distributed:
+        everyone = [None] * dist.get_world_size()
+        dist.all_gather_object(everyone, (name, written))
+    if rank == 0:
+        shards: dict[int, str] = {}
+        for shard, layers in everyone:
+            for layer in layers:
+                shards.setdefault(layer, shard)
+        write_metadata(partial, metadata, shards)
+        commit(partial, path)
+    if distributed:
+        dist.barrier()
+
+
+def load_sharded(path: str | Path, module: nn.Module, optimizers: Iterable[Optimizer] = ()) -> dict[str, Any]:
+    """Load the layers ``module`` holds now, then the optimizers' state; return Lightning's metadata.
+
+    A strategy that must load weights before its optimizers exist (Lightning restores the model before
+    ``setup`` creates optimizers) calls :func:`load_sharded_model` and later :func:`load_sharded_optimizers`.
+    """
+    load_sharded_model(path, module)
+    optimizers = list(optimizers)
+    if optimizers:
+        load_sharded_optimizers(path, module, optimizers)
+    return load_metadata(path)
+
+
+def load_sharded_model(path: str | Path, module: nn.Module) -> None:
+    """Fill ``module``'s parameters and buffers from the checkpoint by their global names."""
+    state = get_model_state_dict(module, options=_OPTIONS)
+    _load_by_layer(path, "model", state)
+    set_model_state_dict(module, state, options=_OPTIONS)
+
+
+def load_sharded_optimizers(path: str | Path, module: nn.Module, optimizers: Iterable[Optimizer]) -> None:
+    """Restore each optimizer's state and hyper-parameters for the parameters it holds now."""
+    optimizers = list(optimizers)
+    state = get_optimizer_state_dict(module, optimizers, options=_OPTIONS)
+    _load_by_layer(path, "optim", state)
+    set_optimizer_state_dict(module, optimizers, state, options=_OPTIONS)
+
+
+def load_metadata(path: str | Path) -> dict[str, Any]:
+    """Lightning's entries of a sharded checkpoint (a file we wrote: full unpickling, as Lightning does)."""
+    file = Path(path) / METADATA_FILE
+    if not file.exists():
+        raise FileNotFoundError(
+            f"{path} is not a sharded Oobleck checkpoint ({METADATA_FILE} is missing): pass the checkpoint "
+            "directory written by trainer.save_checkpoint / ModelCheckpoint with strategy='oobleck'"
+        )
+    return torch.load(file, weights_only=False)
+
+
+def _load_by_layer(path: str | Path, part: str, state: dict[str, Any]) -> None:
+    """Load ``state``'s entries in place, each from the shard the index names for its layer."""
+    index_file = Path(path) / INDEX_FILE
+    if not index_file.exists():
+        raise FileNotFoundError(
+            f"{path} holds no sharded Oobleck checkpoint ({INDEX_FILE} is missing): pass a checkpoint "
+            "directory written by trainer.save_checkpoint / ModelCheckpoint with strategy='oobleck'"
+        )
+    shards = json.loads(index_file.read_text())["layers"]
+    wanted: dict[str, dict[str, Any]] = {}
+    for key, value in state.items():
+        layer = layer_of(key)
+        if str(layer) not in shards:
+            raise KeyError(f"the checkpoint at {path} holds no layer {layer} (needed for {key!r})")
+        wanted.setdefault(shards[str(layer)], {})[key] = value
+    for shard, entries in wanted.items():
+        with _one_process():
+            dcp.load({part: entries}, checkpoint_id=Path(path) / SHARDS_DIR / shard, no_dist=True)
+        state.update(entries)
+
+
+@contextmanager
+def _one_process() -> Iterator[None]:
+    """DCP warns that it assumes a single process: here that is the intent (one shard per worker)."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled", category=UserWarning)
+        yield

@@ -1,0 +1,355 @@
+"""Every exchange of the oobleck strategy with its peers, as a recoverable unit of the fit.
+
+:class:`~lightning_oobleck.lightning.OobleckStrategy` runs each of these through :class:`FitUnits`: a
+training step (pipeline, gradient sync and commit), an evaluation step (validation, sanity check, test),
+the reduces, broadcasts, barriers and all-gathers it serves to Lightning (``self.log(..., sync_dist=True)``,
+callbacks, the per-batch SIGTERM flag), a checkpoint save, and the barrier that ends the fit. Under
+in-process recovery each is a unit of :class:`~lightning_oobleck.recovery.runtime.Recovery`: a peer lost
+anywhere in it is recovered from in place and the unit is redone on the new pipelines (or, where other
+survivors completed it, its result adopted), so training continues in the same ``fit``. Without a
+coordinator (a ``validate``/``test`` call) the same units run once.
+
+:class:`FitUnits` is also the recovery's host (:class:`~lightning_oobleck.recovery.runtime.RecoveryHost`):
+it rebuilds the optimizer's parameter groups with ``configure_optimizers`` for new layers, takes the
+survivors' checkpoint metadata from Lightning, and after a switch points the strategy, the data samplers
+and the loggers at the new layout.
+"""
+
+from __future__ import annotations
+
+import csv
+import io
+import pickle
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, TypeVar
+
+import torch
+import torch.distributed as dist
+from lightning.fabric.utilities.rank_zero import rank_zero_warn
+from lightning.pytorch import Trainer
+from lightning.pytorch.core.optimizer import _init_optimizers_and_lr_schedulers
+from lightning.pytorch.loggers import CSVLogger, TensorBoardLogger
+from lightning.pytorch.trainer import call
+from lightning.pytorch.utilities.exceptions import SIGTERMException
+from lightning.pytorch.utilities.rank_zero import rank_zero_only
+from torch import Tensor
+
+from lightning_oobleck.execution.checkpoint import (
+    commit,
+    layer_writers,
+    partial_path,
+    shard_name,
+    write_metadata,
+    write_shard,
+)
+from lightning_oobleck.execution.engine import PipelineEngine
+from lightning_oobleck.execution.process_groups import backend_for
+from lightning_oobleck.execution.stage import StageModule
+from lightning_oobleck.lightning.data import DataPosition, PipelineDataLoader, share_of_pipeline
+from lightning_oobleck.recovery.agent import WorkerAgent
+from lightning_oobleck.recovery.events import EventLog, RecoveryEvent
+from lightning_oobleck.recovery.runtime import Recovery
+
+if TYPE_CHECKING:
+    from lightning_oobleck.lightning.module import PipelineModule
+    from lightning_oobleck.lightning.strategy import OobleckStrategy
+
+T = TypeVar("T")
+
+EVENTS_FILE = "oobleck-events.jsonl"
+"""The recovery and step records of a run, in the trainer's log directory (``oobleck timeline``)."""
+
+_REDUCE_OPS = {
+    "sum": dist.ReduceOp.SUM,
+    "mean": dist.ReduceOp.SUM,
+    "avg": dist.ReduceOp.SUM,
+    "max": dist.ReduceOp.MAX,
+    "min": dist.ReduceOp.MIN,
+    "product": dist.ReduceOp.PRODUCT,
+}
+
+
+class FitUnits:
+    """The strategy's exchanges with its peers (see the module docstring), recoverable once
+    :meth:`enable_recovery` was called. ``trainer`` is the running Trainer."""
+
+    def __init__(self, strategy: OobleckStrategy, trainer: Trainer) -> None:
+        self.strategy = strategy
+        self.trainer = trainer
+        self.committed: list[float] = [0.0, 0.0]
+        """The last training step's ``[global squared gradient norm, global mean loss]``."""
+        self._step_started = time.time()
+        self.recovery: Recovery | None = None
+        self.events: EventLog | None = None
+
+    def enable_recovery(self, agent: WorkerAgent, store: dist.Store) -> None:
+        """Make every later unit recoverable, with ``agent`` (the coordinator's notices) and ``store``."""
+        strategy, trainer = self.strategy, self.trainer
+        engine = strategy.engine
+        root = Path(trainer.log_dir or trainer.default_root_dir)
+        self.events = EventLog(root / EVENTS_FILE, logger=trainer.logger)
+        config = strategy.config
+        self.recovery = Recovery(
+            agent,
+            store,
+            engine,
+            strategy.optimizers[0],
+            strategy.lightning_module.configure_layers,
+            self,
+            seed=strategy.lightning_module.init_seed,
+            dtype=next(engine.module.parameters()).dtype,
+            backend=config.backend or backend_for(strategy.root_device),
+            group_timeout=engine.groups.timeout,
+            agreement_timeout=max(30.0, engine.groups.timeout.total_seconds()),
+            checkpoint_dir=Path(trainer.default_root_dir) / "oobleck-survivors",
+            events=self.events,
+        )
+
+    @property
+    def engine(self) -> PipelineEngine:
+        return self.strategy.engine
+
+    def run(self, unit: Callable[[PipelineEngine], T]) -> T:
+        """Run ``unit`` as a recoverable unit (or once, without recovery)."""
+        return self.recovery.run(unit) if self.recovery is not None else unit(self.engine)
+
+    # ------------------------------------------------------------------ steps
+    def train_step(self, module: PipelineModule, batch: Any, position: DataPosition) -> Tensor:
+        """Pipeline step and commit of training batch ``position``; returns the global mean loss."""
+        self._step_started = time.time()
+
+        def step(engine: PipelineEngine) -> list[float]:
+            engine.module.zero_grad(set_to_none=True)
+            current = self._current(batch, self.trainer.train_dataloader, position, 0)
+            inputs, targets = module.split_batch(current)
+            loss = engine.train_step(
+                inputs if engine.is_first_stage else None, targets if engine.is_last_stage else None
+            )
+            return engine.commit(loss)
+
+        self.committed = self.run(step)
+        return torch.tensor(self.committed[1], device=self.engine.device)
+
+    def eval_step(self, module: PipelineModule, batch: Any, batch_idx: int, dataloader_idx: int) -> Tensor:
+        """Forward-only pipelines over evaluation batch ``batch_idx``; the global mean loss."""
+        loader = _evaluation_loader(self.trainer, dataloader_idx)
+        sampler = loader.batch_sampler if isinstance(loader, PipelineDataLoader) else None
+        epoch = sampler.position.epoch if sampler is not None else 0
+
+        def evaluate(engine: PipelineEngine) -> Tensor:
+            current = self._current(batch, loader, DataPosition(epoch, batch_idx), dataloader_idx)
+            inputs, targets = module.split_batch(current)
+            return engine.evaluate(
+                inputs if engine.is_first_stage else None, targets if engine.is_last_stage else None
+            )
+
+        return self.run(evaluate)
+
+    def _current(self, batch: Any, loader: Any, position: DataPosition, dataloader_idx: int) -> Any:
+        """``batch``, or, if it was cut for an older layout, this pipeline's share of the same global batch
+        cut again and passed through the same hooks as every batch of Lightning's loops."""
+        if not isinstance(loader, PipelineDataLoader):
+            return batch
+        sampler = loader.batch_sampler
+        if not sampler.is_stale(position.epoch, position.step):
+            return batch
+        indices = sampler.indices(position.epoch, position.step)
+        trainer = self.trainer
+        fresh = loader.collate_fn([loader.dataset[i] for i in indices])
+        fresh = trainer.precision_plugin.convert_input(fresh)
+        fresh = trainer.lightning_module._on_before_batch_transfer(fresh, dataloader_idx=dataloader_idx)
+        return call._call_strategy_hook(trainer, "batch_to_device", fresh, dataloader_idx=dataloader_idx)
+
+    def optimizer_step(self, update: Callable[[], T]) -> T:
+        """Lightning's update of the batch (``update()``); counted, and recorded in the events file."""
+        output = update()
+        if self.recovery is not None:
+            self.recovery.advance()
+            if self.engine.groups.rank == 0 and self.events is not None:
+                self.events.step(
+                    self.recovery.ledger.steps,
+                    self.recovery.plan.global_batch_size,
+                    time.time() - self._step_started,
+                    self.recovery.generation,
+                )
+        return output
+
+    def finish(self) -> None:
+        """The fit's last unit: every worker completed every step when it completes anywhere."""
+        if self.recovery is not None:
+            self.recovery.finish()
+
+    # ------------------------------------------------------------------ collectives
+    def all_reduce(self, tensor: Tensor, reduce_op: str | dist.ReduceOp.RedOpType = "sum") -> Tensor:
+        """``tensor`` reduced over every worker (a new tensor); ``"mean"`` divides by the world size, in
+        floating point (an integer tensor's mean is not truncated)."""
+        name = reduce_op.lower() if isinstance(reduce_op, str) else None
+        if name is not None and name not in _REDUCE_OPS:
+            raise ValueError(f"unknown reduce_op {reduce_op!r}: use one of {', '.join(_REDUCE_OPS)}")
+        op = _REDUCE_OPS[name] if name is not None else reduce_op
+        mean = name in ("mean", "avg")
+
+        def reduce(engine: PipelineEngine) -> Tensor:
+            result = engine.groups.all_reduce(tensor.clone(), engine.abort, op)  # type: ignore[arg-type]
+            if mean:
+                result = (
+                    result if result.is_floating_point() else result.double()
+                ) / engine.groups.world_size
+            return result
+
+        return self.run(reduce)
+
+    def barrier(self) -> None:
+        self.all_reduce(torch.zeros(1, device=self.engine.device))
+
+    def broadcast(self, obj: T, src: int = 0) -> T:
+        """``obj`` of rank ``src``: its bytes all-reduced (sum) against zeros, so the unit ends with an
+        all-reduce like every other."""
+        data = pickle.dumps(obj) if self.engine.groups.rank == src else b""
+
+        def broadcast(engine: PipelineEngine) -> T:
+            mine = data if engine.groups.rank == src else b""
+            size = engine.groups.all_reduce(
+                torch.tensor([len(mine)], dtype=torch.int64, device=engine.device),
+                engine.abort,
+                dist.ReduceOp.MAX,
+            )
+            buffer = torch.zeros(int(size), dtype=torch.uint8, device=engine.device)
+            if mine:
+                buffer.copy_(torch.frombuffer(bytearray(mine), dtype=torch.uint8))
+            engine.groups.all_reduce(buffer, engine.abort)
+            return pickle.loads(buffer.cpu().numpy().tobytes())
+
+        return self.run(broadcast)
+
+    def all_gather(self, tensor: Tensor) -> Tensor:
+        """Every worker's ``tensor`` (same shape everywhere), stacked in rank order."""
+
+        def gather(engine: PipelineEngine) -> Tensor:
+            groups = engine.groups
+            stacked = torch.zeros(groups.world_size, *tensor.shape, dtype=tensor.dtype, device=tensor.device)
+            stacked[groups.rank] = tensor
+            return groups.all_reduce(stacked, engine.abort)
+
+        return self.run(gather)
+
+    def check_sigterm(self) -> None:
+        """Lightning's per-batch SIGTERM check, as a unit: raise ``SIGTERMException`` on every worker if any
+        worker received SIGTERM."""
+        received = torch.tensor([float(getattr(self.trainer, "received_sigterm", False))])
+        if float(self.all_reduce(received, dist.ReduceOp.MAX)[0]) > 0:
+            raise SIGTERMException()
+
+    def save_checkpoint(self, checkpoint: dict[str, Any], path: str | Path) -> None:
+        """Write each layer and its optimizer state once, then commit atomically (see
+        :mod:`~lightning_oobleck.execution.checkpoint`); a peer lost meanwhile makes it start over."""
+        metadata = self.strategy.checkpoint_metadata(checkpoint)
+
+        def save(engine: PipelineEngine) -> None:
+            groups = engine.groups
+            partial = partial_path(path, f"gen{groups.generation}")
+            writers = layer_writers(groups.plan)
+            write_shard(
+                partial,
+                engine.module,
+                self.strategy.optimizers,
+                shard_name(groups.worker),
+                lambda layer: writers[layer] == groups.worker,
+            )
+            if groups.rank == 0:
+                write_metadata(partial, metadata, {layer: shard_name(w) for layer, w in writers.items()})
+            groups.all_reduce(torch.zeros(1, device=engine.device), engine.abort)
+            if groups.rank == 0:
+                commit(partial, path)
+            groups.all_reduce(torch.zeros(1, device=engine.device), engine.abort)
+
+        self.run(save)
+
+    # ------------------------------------------------------------------ the recovery's host
+    def build_optimizer(self, module: StageModule) -> torch.optim.Optimizer:
+        lightning_module = self.strategy.lightning_module
+        lightning_module.layers = module.layers
+        optimizers, _ = _init_optimizers_and_lr_schedulers(lightning_module)
+        if len(optimizers) != 1:
+            raise ValueError(
+                f"configure_optimizers returned {len(optimizers)} optimizers; the oobleck strategy supports "
+                "exactly one"
+            )
+        return optimizers[0]
+
+    def checkpoint_metadata(self) -> dict[str, Any]:
+        """Lightning's checkpoint entries now, at the start of the interrupted unit: its loops count the
+        batch as started but not completed and the data position (advanced only after an optimizer step)
+        is this batch, so ``Trainer.fit(ckpt_path=...)`` redoes exactly this step."""
+        checkpoint = self.trainer._checkpoint_connector.dump_checkpoint(weights_only=False)
+        return self.strategy.checkpoint_metadata(checkpoint)
+
+    def switched(self, recovery: Recovery, event: RecoveryEvent) -> None:
+        """Point the strategy, Lightning's rank, the data and the loggers at the new layout."""
+        strategy = self.strategy
+        groups = recovery.engine.groups
+        was_rank_zero = rank_zero_only.rank == 0
+        strategy._groups = groups
+        environment = strategy._environment()
+        environment.set_global_rank(groups.rank)
+        environment.set_world_size(groups.world_size)
+        rank_zero_only.rank = groups.rank
+        plan = groups.plan
+        share = share_of_pipeline(
+            plan.microbatch_range(plan.role(*groups.worker).pipeline), plan.microbatch_size
+        )
+        for loader in _pipeline_loaders(self.trainer):
+            loader.batch_sampler.set_share(share, groups.generation)
+        if groups.rank == 0 and not was_rank_zero:
+            continue_logger_runs(self.trainer)
+        for warning in event.warnings:
+            rank_zero_warn(f"oobleck: {warning}")
+
+    def flush_loggers(self) -> None:
+        """Write what rank 0's loggers hold, so that a new rank 0 continues from it if this one is lost."""
+        if rank_zero_only.rank != 0:
+            return
+        for logger in self.trainer.loggers:
+            if isinstance(logger, CSVLogger):
+                logger.save()
+            elif isinstance(logger, TensorBoardLogger):
+                logger.experiment.flush()
+
+
+def continue_logger_runs(trainer: Trainer) -> None:
+    """This process just became rank 0: its CSV loggers append to the run's file with its columns."""
+    for logger in trainer.loggers:
+        if isinstance(logger, CSVLogger):
+            path = Path(logger.log_dir) / "metrics.csv"
+            if path.exists():
+                with open(path, newline="") as f:
+                    header = next(csv.reader(io.StringIO(f.readline())), [])
+                logger.experiment.metrics_keys = sorted(header)
+
+
+def share_logger_versions(trainer: Trainer, units: FitUnits) -> None:
+    """Give every worker rank 0's logger versions, so that whichever worker is rank 0 later writes into the
+    same run directory (a logger's version is otherwise the next free one when first asked for)."""
+    for logger in trainer.loggers:
+        if isinstance(logger, CSVLogger | TensorBoardLogger):
+            logger._version = units.broadcast(logger.version)
+
+
+def _evaluation_loader(trainer: Trainer, dataloader_idx: int) -> Any:
+    loaders = trainer.test_dataloaders if trainer.testing else trainer.val_dataloaders
+    if isinstance(loaders, list | tuple):
+        return loaders[dataloader_idx]
+    return loaders
+
+
+def _pipeline_loaders(trainer: Trainer) -> list[PipelineDataLoader]:
+    """The training and evaluation loaders, whose samplers cut each global batch for this pipeline."""
+    loaders: list[Any] = [trainer.train_dataloader]
+    for evaluation in (trainer.val_dataloaders, trainer.test_dataloaders):
+        if isinstance(evaluation, list | tuple):
+            loaders.extend(evaluation)
+        elif evaluation is not None:
+            loaders.append(evaluation)
+    return [loader for loader in loaders if isinstance(loader, PipelineDataLoader)]

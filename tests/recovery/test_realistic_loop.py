@@ -1,0 +1,348 @@
+"""The fault matrix in the loop users run: failures anywhere in ``Trainer.fit``, not only in the step.
+
+The loop: validation every 3 steps (``val_loss`` logged with ``sync_dist``), ``ModelCheckpoint`` every 4
+steps, ``DataLoader(num_workers=2)`` for training and validation, a warm-up + cosine ``SequentialLR``
+stepped per step, ``gradient_clip_algorithm="value"``, AdamW with decay / no-decay parameter groups,
+float32 data under ``precision="64-true"``, a CSV logger, pipelines of unequal shares. Workers are
+SIGKILLed or SIGSTOPped for real, at a chosen moment: in a training forward, after a step's commit while
+another worker has not yet seen it (that worker catches up through Lightning's own update), in a
+validation forward, in a checkpoint save (its shard written, its peers waiting), in the ``sync_dist``
+reduce of ``val_loss``, two nodes at once.
+
+Every run must end with all steps done; every sample of every counted global batch fed exactly once; the
+final weights, the logged ``val_loss`` values and the learning rate at every step equal to single-process
+Lightning training on the same global batches (1e-9); no half-written checkpoint; and its last checkpoint
+must resume, on another layout, to the same final weights.
+
+=================  =========================================  ==========================
+who                when                                       test
+=================  =========================================  ==========================
+rank 0             training forward (SIGKILL)                 rank0_then_catch_up...
+last stage         after its commit (SIGKILL), while a first  rank0_then_catch_up...
+                   stage has not seen the commit (catch-up)
+middle stage       validation forward (SIGKILL)               middle_stage_in_validation...
+last stage         checkpoint save (SIGKILL)                  middle_stage_in_validation...
+first stage        sync_dist reduce of val_loss (SIGSTOP)     middle_stage_in_validation...
+two nodes at once  checkpoint save (SIGKILL), f = 2           two_nodes_in_a_checkpoint...
+=================  =========================================  ==========================
+"""
+
+from __future__ import annotations
+
+import csv
+import json
+import math
+import signal
+import time
+from pathlib import Path
+from typing import Any
+
+import lightning as L
+import pytest
+import torch
+from lightning.pytorch.callbacks import ModelCheckpoint
+from lightning.pytorch.loggers import CSVLogger
+from test_fault_matrix import (
+    FORWARD,
+    OPTIMIZER,
+    Fault,
+    Faults,
+    TinyNet,
+    dataset,
+    planned,
+)  # tests/lightning on the path
+from torch.utils.data import DataLoader
+
+from lightning_oobleck.execution import PeerFailure
+from lightning_oobleck.lightning import GlobalBatchSampler, OobleckStrategy
+from lightning_oobleck.lightning import units as units_module
+from lightning_oobleck.lightning.units import EVENTS_FILE
+from lightning_oobleck.recovery import read_events
+
+SEED, STEPS, GLOBAL_BATCH, MICRO, SAMPLES, VAL_SAMPLES = 3, 9, 12, 2, 60, 24
+CLIP = 0.02
+VALIDATION, CHECKPOINT, LOGGING, LAG = "validation", "checkpoint", "logging", "lag"
+
+
+class RealisticNet(TinyNet):
+    """TinyNet with what real runs configure: decay / no-decay groups, warm-up then cosine per step."""
+
+    def configure_optimizers(self) -> Any:
+        decay = [p for n, p in self.named_parameters() if n.endswith("weight")]
+        no_decay = [p for n, p in self.named_parameters() if not n.endswith("weight")]
+        optimizer = torch.optim.AdamW(
+            [{"params": decay, "weight_decay": 0.1}, {"params": no_decay, "weight_decay": 0.0}], lr=0.05
+        )
+        warmup = torch.optim.lr_scheduler.LinearLR(optimizer, start_factor=0.2, total_iters=3)
+        cosine = torch.optim.lr_scheduler.CosineAnnealingLR(optimizer, T_max=STEPS)
+        schedule = torch.optim.lr_scheduler.SequentialLR(optimizer, [warmup, cosine], milestones=[3])
+        return {"optimizer": optimizer, "lr_scheduler": {"scheduler": schedule, "interval": "step"}}
+
+
+class LoopFaults(Faults):
+    """:class:`Faults` plus the moments outside the training step, keyed by ``(node, global_step)``:
+    ``VALIDATION`` (a few layers into the validation run after that step), ``CHECKPOINT`` (right after
+    this worker wrote its shard of the checkpoint of that step), ``LOGGING`` (when the validation run's
+    ``val_loss`` is reduced over the workers), ``LAG`` (this worker sees the step's commit only after a
+    failure notice: it must catch up). Records the learning rates of every step."""
+
+    def __init__(self, out: Path, faults: dict[tuple[int, int], Fault]) -> None:
+        super().__init__(out, faults)
+        self.lrs: dict[int, list[float]] = {}
+
+    def on_fit_start(self, trainer: L.Trainer, module: L.LightningModule) -> None:
+        super().on_fit_start(trainer, module)
+        units = trainer.strategy._units
+        write_shard, all_reduce = units_module.write_shard, units.all_reduce
+
+        def write_shard_then_fire(*args: Any, **kwargs: Any) -> Any:
+            written = write_shard(*args, **kwargs)
+            self._arm(trainer, CHECKPOINT)
+            return written
+
+        def reduce_fire_first(tensor: torch.Tensor, *args: Any) -> Any:
+            if tensor.is_floating_point() and trainer.state.stage == "validate":
+                self._arm(trainer, LOGGING)
+            return all_reduce(tensor, *args)
+
+        units_module.write_shard = write_shard_then_fire
+        units.all_reduce = reduce_fire_first
+        engine = trainer.strategy.engine
+        commit = engine.commit
+
+        def commit_late_if_armed(loss: Any) -> Any:
+            fault = self.faults.get((self.worker[0], trainer.global_step))
+            if fault is not None and fault.when == LAG and fault.device == self.worker[1]:
+                waiter = engine.groups.waiter
+
+                def see_it_late(works: Any, abort: Any) -> None:
+                    deadline = time.monotonic() + 10
+                    while not abort.is_set() and time.monotonic() < deadline:
+                        time.sleep(0.01)
+                    (self.out / f"lagged-{self.name}").write_text(str(trainer.global_step))
+                    raise PeerFailure("test: this worker saw the commit only after the failure notice")
+
+                waiter.wait = see_it_late
+            return commit(loss)
+
+        engine.commit = commit_late_if_armed
+
+    def _arm(self, trainer: L.Trainer, when: str) -> None:
+        fault = self.faults.get((self.worker[0], trainer.global_step))
+        if fault is not None and fault.device == self.worker[1] and fault.when == when:
+            self.armed = fault
+            self._fire(when)
+
+    def on_validation_batch_start(self, trainer: L.Trainer, *args: Any) -> None:
+        if not trainer.sanity_checking:
+            self.forwards = 0
+            fault = self.faults.get((self.worker[0], trainer.global_step))
+            self.armed = fault if fault is not None and fault.when == VALIDATION else None
+
+    def _on_forward(self, layer: torch.nn.Module, args: tuple) -> None:
+        if self.armed is not None and self.armed.when == VALIDATION:
+            self.forwards += 1
+            if self.forwards == 2:
+                self._fire(VALIDATION)
+            return
+        super()._on_forward(layer, args)
+
+    def on_before_optimizer_step(self, trainer: L.Trainer, module: L.LightningModule, optimizer: Any) -> None:
+        self.lrs[trainer.global_step] = [g["lr"] for g in optimizer.param_groups]
+        super().on_before_optimizer_step(trainer, module, optimizer)
+
+    def on_train_end(self, trainer: L.Trainer, module: L.LightningModule) -> None:
+        super().on_train_end(trainer, module)
+        (self.out / f"lrs-{self.name}.json").write_text(json.dumps(self.lrs))
+
+
+class LearningRates(L.Callback):
+    def __init__(self) -> None:
+        self.lrs: dict[int, list[float]] = {}
+
+    def on_before_optimizer_step(self, trainer: L.Trainer, module: L.LightningModule, optimizer: Any) -> None:
+        self.lrs[trainer.global_step] = [g["lr"] for g in optimizer.param_groups]
+
+
+def loop_kwargs(out: Path, callbacks: list, checkpoints: bool = True) -> dict[str, Any]:
+    saver = ModelCheckpoint(dirpath=out / "ckpt", every_n_train_steps=4, save_top_k=-1)
+    return dict(
+        accelerator="cpu",
+        precision="64-true",
+        max_steps=STEPS,
+        gradient_clip_val=CLIP,
+        gradient_clip_algorithm="value",
+        val_check_interval=3,
+        check_val_every_n_epoch=None,
+        num_sanity_val_steps=0,
+        logger=CSVLogger(out, name="logs"),
+        log_every_n_steps=1,
+        enable_checkpointing=checkpoints,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        default_root_dir=out,
+        callbacks=[*callbacks, saver] if checkpoints else callbacks,
+    )
+
+
+def float32_data(samples: int, seed: int) -> torch.utils.data.TensorDataset:
+    return dataset(samples, seed=seed, dtype=torch.float32)
+
+
+def val_metrics(out: Path) -> dict[int, float]:
+    (path,) = out.glob("logs/version_*/metrics.csv")
+    with open(path, newline="") as f:
+        return {int(r["step"]): float(r["val_loss"]) for r in csv.DictReader(f) if r.get("val_loss")}
+
+
+@pytest.fixture(scope="module")
+def loop_reference(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    """Single-process Lightning on the same global batches and validation batches."""
+    out = tmp_path_factory.mktemp("loop-reference")
+    train, val = float32_data(SAMPLES, 1), float32_data(VAL_SAMPLES, 2)
+    rates = LearningRates()
+    model = RealisticNet()
+    L.Trainer(devices=1, **loop_kwargs(out, [rates], checkpoints=False)).fit(
+        model,
+        DataLoader(train, batch_sampler=GlobalBatchSampler(SAMPLES, GLOBAL_BATCH, seed=SEED)),
+        DataLoader(val, batch_sampler=GlobalBatchSampler(VAL_SAMPLES, GLOBAL_BATCH, shuffle=False)),
+    )
+    return {"weights": dict(model.state_dict()), "lrs": rates.lrs, "val_loss": val_metrics(out)}
+
+
+def fit_loop(
+    out: Path, faults: LoopFaults, num_nodes: int, ckpt_path: str | None = None, **kw: Any
+) -> L.Trainer:
+    if "layout" not in kw:
+        plan_path = out / "plan.json"
+        plan_path.write_text(planned(num_nodes).to_json())
+        kw = {"plan_path": str(plan_path), "fault_tolerance": 2, **kw}
+    strategy = OobleckStrategy(
+        global_batch_size=GLOBAL_BATCH,
+        microbatch_size=MICRO,
+        seed=SEED,
+        collective_timeout_s=20,
+        heartbeat_timeout_s=4.0,
+        **kw,
+    )
+    train = DataLoader(float32_data(SAMPLES, 1), batch_size=GLOBAL_BATCH, shuffle=True, num_workers=2)
+    val = DataLoader(float32_data(VAL_SAMPLES, 2), batch_size=GLOBAL_BATCH, num_workers=2)
+    trainer = L.Trainer(devices=num_nodes, strategy=strategy, **loop_kwargs(out, [faults]))
+    trainer.fit(RealisticNet(), train, val, ckpt_path=ckpt_path)
+    return trainer
+
+
+def check_loop(
+    trainer: L.Trainer, out: Path, reference: dict[str, Any], dead: set[int], num_nodes: int
+) -> None:
+    assert trainer.state.finished and trainer.global_step == STEPS
+    assert {int(p.stem.split("-")[1].split(".")[0]) for p in out.glob("fault-*.json")} == dead
+    survivors = {n for n in range(num_nodes) if n not in dead}
+    assert {int(p.stem[6:].split(".")[0]) for p in out.glob("final-*.pt")} == survivors
+    for node in survivors:
+        weights = torch.load(out / f"final-{node}.0.pt")
+        for name, value in weights.items():
+            torch.testing.assert_close(
+                value, reference["weights"][name], rtol=0, atol=1e-9, msg=f"{name} on {node}"
+            )
+        lrs = {int(k): v for k, v in json.loads((out / f"lrs-{node}.0.json").read_text()).items()}
+        for step, rates in lrs.items():
+            assert rates == pytest.approx(reference["lrs"][step], rel=0, abs=1e-12), (
+                f"lr at step {step} on {node}"
+            )
+    # every step's LR was seen by some survivor, and every step's samples fed exactly once
+    seen = {int(k) for node in survivors for k in json.loads((out / f"lrs-{node}.0.json").read_text())}
+    assert seen == set(range(STEPS))
+    data = float32_data(SAMPLES, 1).tensors[0].double()
+    sampler = GlobalBatchSampler(SAMPLES, GLOBAL_BATCH, seed=SEED)
+    fed: dict[int, list[tuple[float, ...]]] = {}
+    for path in out.glob("fed-*.jsonl"):
+        for line in path.read_text().splitlines():
+            record = json.loads(line)
+            fed.setdefault(record["step"], []).extend(map(tuple, record["rows"]))
+    for step in range(STEPS):
+        epoch, index = divmod(step, len(sampler))
+        expected = sorted(tuple(data[i].tolist()) for i in sampler.global_batch(epoch, index))
+        assert sorted(fed[step]) == expected, f"step {step}"
+    # the logged validation losses (one CSV file, continued by whichever worker is rank 0) equal the reference
+    logged = val_metrics(out)
+    assert logged.keys() == reference["val_loss"].keys()
+    for step, value in logged.items():
+        assert math.isclose(value, reference["val_loss"][step], rel_tol=0, abs_tol=1e-9), (
+            f"val_loss at {step}"
+        )
+    # checkpoints: every one complete, none half-written
+    saved = sorted((out / "ckpt").iterdir())
+    assert [p.name for p in saved] == ["epoch=0-step=4.ckpt", "epoch=1-step=8.ckpt"]
+    assert all((p / "index.json").exists() and (p / "lightning.pt").exists() for p in saved)
+    assert not list((out / "ckpt").glob(".*"))
+    _, recoveries = read_events(out / "logs" / "version_0" / EVENTS_FILE)
+    assert sorted(w[0] for e in recoveries for w in e.removed) == sorted(dead)
+
+
+def resume_check(out: Path, reference: dict[str, Any]) -> None:
+    """The run's last checkpoint resumes on another layout (a 2-stage pipeline beside a 1-stage one) to the
+    reference's final weights."""
+    resumed = out / "resumed"
+    resumed.mkdir()
+    trainer = fit_loop(
+        resumed,
+        LoopFaults(resumed, {}),
+        3,
+        ckpt_path=str(out / "ckpt" / "epoch=1-step=8.ckpt"),
+        layout=[[0, 3, 6], [0, 6]],
+        fault_tolerance=0,
+    )
+    assert trainer.global_step == STEPS
+    finals = list(resumed.glob("final-*.pt"))
+    assert len(finals) == 3
+    for path in finals:
+        for name, value in torch.load(path).items():
+            torch.testing.assert_close(value, reference["weights"][name], rtol=0, atol=1e-9, msg=name)
+
+
+@pytest.mark.timeout(300)
+def test_rank0_then_catch_up_through_lightnings_update(
+    tmp_path: Path, loop_reference: dict[str, Any]
+) -> None:
+    """6 nodes, 3 pipelines of 2. Rank 0 dies in a training forward of step 1. In step 5 a last stage
+    (node 5) dies after its commit while a first stage (node 3) has not yet seen that commit: node 3
+    applies step 5 through Lightning's own update (clip by value, hooks, scheduler), nothing is redone."""
+    faults = {
+        (0, 1): Fault(signal.SIGKILL, FORWARD),
+        (5, 5): Fault(signal.SIGKILL, OPTIMIZER),
+        (3, 5): Fault(0, LAG),
+    }
+    trainer = fit_loop(tmp_path, LoopFaults(tmp_path, faults), 6)
+    check_loop(trainer, tmp_path, loop_reference, dead={0, 5}, num_nodes=6)
+    assert (tmp_path / "lagged-3.0").read_text() == "5"
+    resume_check(tmp_path, loop_reference)
+
+
+@pytest.mark.timeout(300)
+def test_middle_stage_in_validation_last_stage_in_a_checkpoint_hang_in_logging(
+    tmp_path: Path, loop_reference: dict[str, Any]
+) -> None:
+    """7 nodes: pipelines (0, 1, 2), (3, 4), (5, 6). The middle stage node 1 dies in the validation after
+    step 3; the last stage node 4 dies in the checkpoint save of step 4 (its shard written, its peers
+    waiting to commit); the first stage node 5 hangs (SIGSTOP) in the sync_dist reduce of val_loss after
+    step 6 and is fenced after the heartbeat timeout."""
+    faults = {
+        (1, 3): Fault(signal.SIGKILL, VALIDATION),
+        (4, 4): Fault(signal.SIGKILL, CHECKPOINT),
+        (5, 6): Fault(signal.SIGSTOP, LOGGING),
+    }
+    trainer = fit_loop(tmp_path, LoopFaults(tmp_path, faults), 7)
+    check_loop(trainer, tmp_path, loop_reference, dead={1, 4, 5}, num_nodes=7)
+
+
+@pytest.mark.timeout(300)
+def test_two_nodes_in_a_checkpoint_save_at_once(tmp_path: Path, loop_reference: dict[str, Any]) -> None:
+    """f = 2: a first stage and a last stage of two pipelines die together in the checkpoint save of step
+    4; then more nodes than the plan tolerates are gone and the run says so (f reduced) and goes on."""
+    kill = Fault(signal.SIGKILL, CHECKPOINT)
+    trainer = fit_loop(tmp_path, LoopFaults(tmp_path, {(1, 4): kill, (2, 4): kill, (3, 8): kill}), 6)
+    check_loop(trainer, tmp_path, loop_reference, dead={1, 2, 3}, num_nodes=6)
+    _, recoveries = read_events(tmp_path / "logs" / "version_0" / EVENTS_FILE)
+    assert recoveries[-1].fault_tolerance is not None and recoveries[-1].fault_tolerance < 2
+    assert any("tolerates f=" in w for e in recoveries for w in e.warnings)
