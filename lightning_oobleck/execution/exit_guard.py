@@ -14,8 +14,10 @@ logs and streams): status 1 if an exception went uncaught, else 0. A ``sys.exit(
 from __future__ import annotations
 
 import atexit
+import ctypes
 import logging
 import os
+import signal
 import sys
 import threading
 from types import TracebackType
@@ -58,3 +60,16 @@ _GUARD = _ExitGuard()
 def outlive(thread: threading.Thread) -> None:
     """Make the process exit without finalisation if ``thread`` (stuck in a C++ wait) is alive at exit."""
     _GUARD.watch(thread)
+
+
+_PR_SET_PDEATHSIG = 1
+
+
+def die_with_parent() -> None:
+    """Make the kernel SIGKILL this process when its parent dies (Linux ``PR_SET_PDEATHSIG``; a no-op
+    elsewhere). The caller checks afterwards that its parent is still the one it expects: it may have died
+    before the call took effect."""
+    if sys.platform.startswith("linux"):
+        libc = ctypes.CDLL(None, use_errno=True)
+        if libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0) != 0:
+            raise OSError(ctypes.get_errno(), "prctl(PR_SET_PDEATHSIG) failed")

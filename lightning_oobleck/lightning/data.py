@@ -15,12 +15,16 @@ before a reconfiguration are recognised and cut again (:meth:`GlobalBatchSampler
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+import os
+import sys
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 from torch.utils.data import DataLoader, Sampler
+
+from lightning_oobleck.execution.exit_guard import die_with_parent
 
 
 @dataclass(frozen=True)
@@ -157,8 +161,34 @@ def share_of_pipeline(microbatches: range, microbatch_size: int) -> range:
     return range(microbatches.start * microbatch_size, microbatches.stop * microbatch_size)
 
 
+class _DieWithParent:
+    """A loader worker's ``worker_init_fn``: the worker exits when the training process that started it
+    dies (SIGKILL included), then the user's ``worker_init_fn`` runs."""
+
+    def __init__(self, parent: int, user_init: Callable[[int], None] | None) -> None:
+        self.parent = parent
+        self.user_init = user_init
+
+    def __call__(self, worker_id: int) -> None:
+        die_with_parent()
+        if os.getppid() != self.parent:  # the training process died before the call took effect
+            os._exit(0)
+        if self.user_init is not None:
+            self.user_init(worker_id)
+
+
 def wrap_dataloader(loader: DataLoader, sampler: GlobalBatchSampler) -> PipelineDataLoader:
-    """The user's loader (dataset, collate, workers) with ``sampler`` choosing the samples."""
+    """The user's loader (dataset, collate, workers) with ``sampler`` choosing the samples.
+
+    Loader workers are forked by this process itself (unless the loader names a start method): a training
+    process may itself come from a fork server, whose start method loader workers would otherwise inherit,
+    and then their parent would be a fork server that outlives the training process. Each worker dies with
+    its training process.
+    """
+    workers = loader.num_workers > 0
+    context = loader.multiprocessing_context
+    if workers and context is None and sys.platform.startswith("linux"):
+        context = "fork"
     return PipelineDataLoader(
         loader.dataset,
         batch_sampler=sampler,
@@ -166,8 +196,10 @@ def wrap_dataloader(loader: DataLoader, sampler: GlobalBatchSampler) -> Pipeline
         collate_fn=loader.collate_fn,
         pin_memory=loader.pin_memory,
         timeout=loader.timeout,
-        worker_init_fn=loader.worker_init_fn,
-        multiprocessing_context=loader.multiprocessing_context,
+        worker_init_fn=_DieWithParent(os.getpid(), loader.worker_init_fn)
+        if workers
+        else loader.worker_init_fn,
+        multiprocessing_context=context,
         prefetch_factor=loader.prefetch_factor,
         persistent_workers=loader.persistent_workers,
     )

@@ -28,13 +28,11 @@ devices_per_node``) and ``OOBLECK_DEVICE`` (``r % devices_per_node``), read by
 from __future__ import annotations
 
 import contextlib
-import ctypes
 import logging
 import multiprocessing
 import os
 import shutil
 import signal
-import sys
 import tempfile
 import threading
 import time
@@ -58,6 +56,7 @@ from lightning.pytorch.strategies.launchers.launcher import _Launcher
 from lightning.pytorch.strategies.launchers.multiprocessing import _GlobalStateSnapshot
 from lightning.pytorch.trainer.states import TrainerFn
 
+from lightning_oobleck.execution.exit_guard import die_with_parent
 from lightning_oobleck.lightning.config import START_METHODS, StartMethod
 from lightning_oobleck.lightning.environment import local_worker_env
 from lightning_oobleck.lightning.results import (
@@ -75,7 +74,6 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
-_PR_SET_PDEATHSIG = 1
 _KILL_JOIN_TIMEOUT_S = 10.0
 _RELEASE_TIMEOUT_S = 300.0
 
@@ -434,10 +432,7 @@ def _exit_with_supervisor(lifeline: Connection) -> None:
 
 def _die_with_supervisor(supervisor_pid: int) -> None:
     """Make the kernel SIGKILL this worker when the supervisor dies, so that no worker is orphaned."""
-    if sys.platform.startswith("linux"):
-        libc = ctypes.CDLL(None, use_errno=True)
-        if libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0) != 0:
-            raise OSError(ctypes.get_errno(), "prctl(PR_SET_PDEATHSIG) failed")
+    die_with_parent()
     # The parent is the supervisor (fork, spawn) or the fork server, which exits with the supervisor.
     with contextlib.suppress(ProcessLookupError):
         os.kill(supervisor_pid, 0)

@@ -77,6 +77,20 @@ def test_after_a_plan_change_the_same_global_batch_is_resliced() -> None:
     assert [i for b in batches for i in b] == survivors[0].global_batch(0, 2)
 
 
+def test_batches_prefetched_before_a_plan_change_are_recognised_as_stale() -> None:
+    """A loader with workers has taken indices for batches 0-2 when the plan changes after step 0: those
+    batches were cut for the old layout; the sampler says so and cuts them again for the new one."""
+    sampler = GlobalBatchSampler(NUM_SAMPLES, BATCH, seed=5, share=range(0, 4))
+    prefetched = iter(sampler)
+    handed_out = [next(prefetched) for _ in range(3)]
+    assert not any(sampler.is_stale(0, step) for step in range(3))
+    sampler.set_share(range(4, 12), layout=1)
+    assert all(sampler.is_stale(0, step) for step in range(3))
+    assert sampler.indices(0, 2) == sampler.global_batch(0, 2)[4:12] != handed_out[2]
+    assert sampler.is_stale(0, 3)  # not handed out yet: nothing says what it was cut for
+    assert next(prefetched) == sampler.global_batch(0, 3)[4:12] and not sampler.is_stale(0, 3)
+
+
 def test_loader_keeps_the_users_collate_and_saves_the_position() -> None:
     data = TensorDataset(torch.arange(NUM_SAMPLES).float(), torch.arange(NUM_SAMPLES))
     user = DataLoader(data, batch_size=5, collate_fn=lambda items: [y for _, y in items])

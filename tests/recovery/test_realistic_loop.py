@@ -189,10 +189,11 @@ def float32_data(samples: int, seed: int) -> torch.utils.data.TensorDataset:
     return dataset(samples, seed=seed, dtype=torch.float32)
 
 
-def val_metrics(out: Path) -> dict[int, float]:
+def logged(out: Path, metric: str) -> dict[int, float]:
+    """``metric`` per step in the run's one CSV file (there must be one version: every rank 0 wrote it)."""
     (path,) = out.glob("logs/version_*/metrics.csv")
     with open(path, newline="") as f:
-        return {int(r["step"]): float(r["val_loss"]) for r in csv.DictReader(f) if r.get("val_loss")}
+        return {int(r["step"]): float(r[metric]) for r in csv.DictReader(f) if r.get(metric)}
 
 
 @pytest.fixture(scope="module")
@@ -207,7 +208,12 @@ def loop_reference(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
         DataLoader(train, batch_sampler=GlobalBatchSampler(SAMPLES, GLOBAL_BATCH, seed=SEED)),
         DataLoader(val, batch_sampler=GlobalBatchSampler(VAL_SAMPLES, GLOBAL_BATCH, shuffle=False)),
     )
-    return {"weights": dict(model.state_dict()), "lrs": rates.lrs, "val_loss": val_metrics(out)}
+    return {
+        "weights": dict(model.state_dict()),
+        "lrs": rates.lrs,
+        "val_loss": logged(out, "val_loss"),
+        "train_loss": logged(out, "train_loss"),
+    }
 
 
 def fit_loop(
@@ -264,13 +270,17 @@ def check_loop(
         epoch, index = divmod(step, len(sampler))
         expected = sorted(tuple(data[i].tolist()) for i in sampler.global_batch(epoch, index))
         assert sorted(fed[step]) == expected, f"step {step}"
-    # the logged validation losses (one CSV file, continued by whichever worker is rank 0) equal the reference
-    logged = val_metrics(out)
-    assert logged.keys() == reference["val_loss"].keys()
-    for step, value in logged.items():
-        assert math.isclose(value, reference["val_loss"][step], rel_tol=0, abs_tol=1e-9), (
-            f"val_loss at {step}"
-        )
+    # the logged losses (one CSV file, continued by whichever worker is rank 0) equal the reference; every
+    # validation is there, and every training step but the last one a dying rank 0 logged before its death
+    # (a known gap: see the README's limitations)
+    for metric in ("val_loss", "train_loss"):
+        values = logged(out, metric)
+        lost = {0} if metric == "train_loss" and 0 in dead else set()
+        assert values.keys() == reference[metric].keys() - lost, metric
+        for step, value in values.items():
+            assert math.isclose(value, reference[metric][step], rel_tol=0, abs_tol=1e-9), (
+                f"{metric} at {step}"
+            )
     # checkpoints: every one complete, none half-written
     saved = sorted((out / "ckpt").iterdir())
     assert [p.name for p in saved] == ["epoch=0-step=4.ckpt", "epoch=1-step=8.ckpt"]
