@@ -31,6 +31,7 @@ from lightning.fabric.utilities.rank_zero import rank_zero_warn
 from lightning.pytorch import Trainer
 from lightning.pytorch.core.optimizer import _init_optimizers_and_lr_schedulers
 from lightning.pytorch.loggers import CSVLogger, TensorBoardLogger
+from lightning.pytorch.loggers.csv_logs import ExperimentWriter
 from lightning.pytorch.trainer import call
 from lightning.pytorch.utilities.exceptions import SIGTERMException
 from lightning.pytorch.utilities.rank_zero import rank_zero_only
@@ -319,14 +320,19 @@ class FitUnits:
 
 
 def continue_logger_runs(trainer: Trainer) -> None:
-    """This process just became rank 0: its CSV loggers append to the run's file with its columns."""
+    """This process just became rank 0: its CSV loggers append to the run's file, with its columns.
+
+    Lightning's CSV writer deletes an existing ``metrics.csv`` when it is created (it expects a new run):
+    the file is put back, and the writer told its header.
+    """
     for logger in trainer.loggers:
         if isinstance(logger, CSVLogger):
-            path = Path(logger.log_dir) / "metrics.csv"
-            if path.exists():
-                with open(path, newline="") as f:
-                    header = next(csv.reader(io.StringIO(f.readline())), [])
-                logger.experiment.metrics_keys = sorted(header)
+            path = Path(logger.log_dir) / ExperimentWriter.NAME_METRICS_FILE
+            history = path.read_text() if path.exists() else None
+            writer = logger.experiment
+            if history is not None:
+                path.write_text(history)
+                writer.metrics_keys = sorted(next(csv.reader(io.StringIO(history)), []))
 
 
 def share_logger_versions(trainer: Trainer, units: FitUnits) -> None:
