@@ -20,7 +20,6 @@ layout, committed atomically.
 
 from __future__ import annotations
 
-import math
 import os
 from collections.abc import Callable, Mapping
 from datetime import timedelta
@@ -62,6 +61,7 @@ from lightning_oobleck.lightning.module import (
     meta_layers,
 )
 from lightning_oobleck.lightning.plan_agreement import agree_on_plan, check_layout_size
+from lightning_oobleck.lightning.precision import with_global_norm_clipping
 from lightning_oobleck.lightning.units import FitUnits, share_logger_versions
 from lightning_oobleck.planning.plan import Plan
 from lightning_oobleck.recovery.agent import WorkerAgent
@@ -223,8 +223,10 @@ class OobleckStrategy(ParallelStrategy, PipelineExecutor):
             self.setup_optimizers(trainer)
             self._check_optimizers()
         self.setup_precision_plugin()
-        # Lightning clips the parameters this process holds; the norm must cover every layer, once.
-        self.precision_plugin.clip_grad_by_norm = self._clip_grad_by_global_norm  # type: ignore[method-assign]
+        # Clipping by norm must use the norm of the whole model, each layer once: the step's commit has it.
+        self.precision_plugin = with_global_norm_clipping(
+            self.precision_plugin, lambda: self._require_units().committed[0]
+        )
         self._units = FitUnits(self, trainer)
         share_logger_versions(trainer, self._units)
         if trainer.state.fn == TrainerFn.FITTING:
@@ -433,15 +435,6 @@ class OobleckStrategy(ParallelStrategy, PipelineExecutor):
         for p, grad in zip(self._params(), self._stashed_grads, strict=True):
             p.grad = grad
         self._stashed_grads = None
-
-    def _clip_grad_by_global_norm(self, optimizer: Optimizer, clip_val: float) -> None:
-        """``torch.nn.utils.clip_grad_norm_`` with the norm of the whole model, each layer counted once: the
-        step's commit summed its square."""
-        coef = min(1.0, clip_val / (math.sqrt(self._require_units().committed[0]) + 1e-6))
-        for group in optimizer.param_groups:
-            for p in group["params"]:
-                if p.grad is not None:
-                    p.grad.mul_(coef)
 
     # ------------------------------------------------------------------ data
     def process_dataloader(self, dataloader: object) -> object:
