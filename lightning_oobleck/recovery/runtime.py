@@ -109,8 +109,8 @@ class Ledger:
 
     done: int = 0
     """Units completed in this run (the same count on every worker at the same point of the program)."""
-    result: bytes = b""
-    """The serialised result of unit ``done - 1``: what a laggard inside that unit adopts."""
+    result: Any = None
+    """The result of unit ``done - 1``: what a laggard inside that unit adopts (serialised only then)."""
     steps: int = 0
     """Optimizer steps applied (Lightning's ``global_step``)."""
 
@@ -224,7 +224,7 @@ class Recovery:
 
     def _completed(self, result: Any) -> None:
         self.ledger.done += 1
-        self.ledger.result = _dump(result)
+        self.ledger.result = result
 
     def all_reduce(self, tensor: Tensor, op: dist.ReduceOp.RedOpType = dist.ReduceOp.SUM) -> Tensor:
         """A reduce unit: ``tensor`` summed over every worker (a new tensor; ``tensor`` stays for a redo)."""
@@ -427,7 +427,7 @@ class Recovery:
             "copied": self._copied.generation if self._copied else -1,
             "done": self.ledger.done,
         }
-        self.store.set(self._key(membership, "result", self.worker), self.ledger.result)
+        self.store.set(self._key(membership, "result", self.worker), _dump(self.ledger.result))
         self.store.set(self._key(membership, "position", self.worker), json.dumps(mine))
         self._wait_for_members(membership, "exchange")
         return {

@@ -77,6 +77,20 @@ def _unpack(data: Tensor) -> dict[str, Any]:
     return torch.load(io.BytesIO(data.cpu().numpy().tobytes()), map_location="cpu", weights_only=True)
 
 
+def _exchange(
+    groups: ProcessGroups, sends: dict[Worker, Tensor], receives: dict[Worker, Tensor], abort: threading.Event
+) -> None:
+    """Send ``sends[peer]`` to each peer and receive ``receives[peer]`` from each, as one batch; bounded and
+    abortable like every wait of the generation."""
+    ops = [dist.P2POp(dist.isend, t, groups.rank_of(peer)) for peer, t in sends.items()]
+    ops += [dist.P2POp(dist.irecv, t, groups.rank_of(peer)) for peer, t in receives.items()]
+    if not ops:
+        return
+    with groups.waiter.issuing():
+        works = dist.batch_isend_irecv(ops)
+    groups.waiter.wait(works, abort)
+
+
 def transfer_state(
     module: StageModule,
     state: ParamState,
@@ -105,25 +119,21 @@ def transfer_state(
         raise ValueError(f"the copy list gives worker {me} no source for layers {sorted(missing)}")
 
     device = next(iter(module.parameters())).device
-    waiter = groups.waiter
-    sends: list[dist.Work] = []
-    keep_alive: list[Tensor] = []
-    with waiter.issuing():
-        for peer, layers in sorted(outgoing.items()):
-            data = torch.frombuffer(bytearray(_pack(module, state, sorted(layers))), dtype=torch.uint8)
-            size = torch.tensor([data.numel()], dtype=torch.int64)
-            for t in (size.to(device), data.to(device)):
-                keep_alive.append(t)
-                sends.append(dist.isend(t, groups.rank_of(peer)))
-        sizes = {peer: torch.zeros(1, dtype=torch.int64, device=device) for peer in sorted(incoming)}
-        size_works = [dist.irecv(t, groups.rank_of(peer)) for peer, t in sizes.items()]
-    waiter.wait(size_works, abort)
-    with waiter.issuing():
-        buffers = {
-            peer: torch.empty(int(t.item()), dtype=torch.uint8, device=device) for peer, t in sizes.items()
-        }
-        receives = [dist.irecv(t, groups.rank_of(peer)) for peer, t in buffers.items()]
-    waiter.wait(receives + sends, abort)
+    payloads = {
+        peer: torch.frombuffer(bytearray(_pack(module, state, sorted(layers))), dtype=torch.uint8).to(device)
+        for peer, layers in sorted(outgoing.items())
+    }
+    # Each exchange is one batch of point-to-point operations: NCCL then runs a worker's sends and receives
+    # together, so two workers that copy to each other cannot both wait in a send (gloo does not need it).
+    sizes = {peer: torch.zeros(1, dtype=torch.int64, device=device) for peer in sorted(incoming)}
+    sent_sizes = {
+        peer: torch.tensor([t.numel()], dtype=torch.int64, device=device) for peer, t in payloads.items()
+    }
+    _exchange(groups, sent_sizes, sizes, abort)
+    buffers = {
+        peer: torch.empty(int(t.item()), dtype=torch.uint8, device=device) for peer, t in sizes.items()
+    }
+    _exchange(groups, payloads, buffers, abort)
 
     received = [_unpack(t) for t in buffers.values()]
     fresh = build_layers(sorted(i for payload in received for i in payload["layers"]))
