@@ -116,15 +116,18 @@ class OobleckStrategy(ParallelStrategy, PipelineExecutor):
 
     # ------------------------------------------------------------------ topology
     @property
+    @override
     def is_distributed(self) -> bool:
         return True
 
     @property
+    @override
     def root_device(self) -> torch.device:
         assert self.parallel_devices is not None
         return self.parallel_devices[self.local_rank]
 
     @property
+    @override
     def num_nodes(self) -> int:
         return self._num_nodes
 
@@ -164,6 +167,7 @@ class OobleckStrategy(ParallelStrategy, PipelineExecutor):
         loader = trainer.train_dataloader if trainer is not None else None
         return loader.batch_sampler if isinstance(loader, PipelineDataLoader) else None
 
+    @override
     def _configure_launcher(self) -> None:
         # Lightning calls this once devices and precision are known: refuse what cannot run before launching.
         self._check_precision()
@@ -182,6 +186,7 @@ class OobleckStrategy(ParallelStrategy, PipelineExecutor):
             )
 
     # ------------------------------------------------------------------ environment and setup
+    @override
     def setup_environment(self) -> None:
         super().setup_environment()
         environment = self._environment()
@@ -211,6 +216,7 @@ class OobleckStrategy(ParallelStrategy, PipelineExecutor):
         environment.set_world_size(self._groups.world_size)
         rank_zero_only.rank = self._groups.rank
 
+    @override
     def setup(self, trainer: Trainer) -> None:
         assert self.accelerator is not None
         self.accelerator.setup(trainer)
@@ -309,6 +315,7 @@ class OobleckStrategy(ParallelStrategy, PipelineExecutor):
             **options,
         )
 
+    @override
     def model_to_device(self) -> None:
         assert self.model is not None
         self.model.to(self.root_device)
@@ -357,6 +364,7 @@ class OobleckStrategy(ParallelStrategy, PipelineExecutor):
             return loss.requires_grad_()
         return units.eval_step(module, batch, self._evaluating[0], self._evaluating[1])
 
+    @override
     def backward(
         self, closure_loss: Tensor, optimizer: Optimizer | None, *args: Any, **kwargs: Any
     ) -> Tensor:
@@ -437,6 +445,7 @@ class OobleckStrategy(ParallelStrategy, PipelineExecutor):
         self._stashed_grads = None
 
     # ------------------------------------------------------------------ data
+    @override
     def process_dataloader(self, dataloader: object) -> object:
         """Replace the sampler: each rank loads its pipeline's share of every global batch."""
         if not isinstance(dataloader, DataLoader):
@@ -464,6 +473,7 @@ class OobleckStrategy(ParallelStrategy, PipelineExecutor):
 
     # ------------------------------------------------------------------ sharded checkpoints
     @property
+    @override
     def restore_checkpoint_after_setup(self) -> bool:
         # Weights load into the layers this rank owns, which exist only once setup() built the engine.
         return True
@@ -484,15 +494,18 @@ class OobleckStrategy(ParallelStrategy, PipelineExecutor):
         metadata["optimizer_states"] = []
         return metadata
 
+    @override
     def load_checkpoint(
         self, checkpoint_path: str | Path, weights_only: bool | None = None
     ) -> dict[str, Any]:
         self._checkpoint_path = Path(checkpoint_path)
         return load_metadata(checkpoint_path)
 
+    @override
     def load_model_state_dict(self, checkpoint: Mapping[str, Any], strict: bool = True) -> None:
         load_sharded_model(self._require_checkpoint_path(), self.engine.module)
 
+    @override
     def load_optimizer_state_dict(self, checkpoint: Mapping[str, Any]) -> None:
         load_sharded_optimizers(self._require_checkpoint_path(), self.engine.module, self.optimizers)
 

@@ -215,6 +215,20 @@ def fit_with_faults(
     return trainer
 
 
+def assert_every_sample_fed_once(out: Path, data: torch.Tensor, steps: int) -> None:
+    """Every sample of every counted global batch was fed once (the ``fed-*.jsonl`` of :class:`Faults`)."""
+    sampler = GlobalBatchSampler(len(data), GLOBAL_BATCH, seed=SEED)
+    fed: dict[int, list[tuple[float, ...]]] = {}
+    for path in out.glob("fed-*.jsonl"):
+        for line in path.read_text().splitlines():
+            record = json.loads(line)
+            fed.setdefault(record["step"], []).extend(map(tuple, record["rows"]))
+    for step in range(steps):
+        epoch, index = divmod(step, len(sampler))
+        expected = sorted(tuple(data[i].tolist()) for i in sampler.global_batch(epoch, index))
+        assert sorted(fed[step]) == expected, f"step {step}"
+
+
 def check(
     trainer: L.Trainer,
     tmp_path: Path,
@@ -235,18 +249,7 @@ def check(
             torch.testing.assert_close(
                 value, reference[name], rtol=0, atol=1e-9, msg=f"{name} on worker {(node, device)}"
             )
-    # Every sample of every counted global batch was fed exactly once.
-    data = dataset(SAMPLES, seed=1, dtype=torch.float64).tensors[0]
-    sampler = GlobalBatchSampler(SAMPLES, GLOBAL_BATCH, seed=SEED)
-    fed: dict[int, list[tuple[float, ...]]] = {}
-    for path in tmp_path.glob("fed-*.jsonl"):
-        for line in path.read_text().splitlines():
-            record = json.loads(line)
-            fed.setdefault(record["step"], []).extend(map(tuple, record["rows"]))
-    for step in range(STEPS):
-        epoch, index = divmod(step, len(sampler))
-        expected = sorted(tuple(data[i].tolist()) for i in sampler.global_batch(epoch, index))
-        assert sorted(fed[step]) == expected, f"step {step}"
+    assert_every_sample_fed_once(tmp_path, dataset(SAMPLES, seed=1, dtype=torch.float64).tensors[0], STEPS)
     # The recoveries removed exactly the workers of the killed nodes, every one of them, once.
     _, recoveries = read_events(tmp_path / EVENTS_FILE)
     removed = [tuple(w) for e in recoveries for w in e.removed]

@@ -48,6 +48,7 @@ from test_fault_matrix import (
     Fault,
     Faults,
     TinyNet,
+    assert_every_sample_fed_once,
     dataset,
     planned,
 )  # tests/lightning on the path
@@ -259,17 +260,7 @@ def check_loop(
     # every step's LR was seen by some survivor, and every step's samples fed exactly once
     seen = {int(k) for node in survivors for k in json.loads((out / f"lrs-{node}.0.json").read_text())}
     assert seen == set(range(STEPS))
-    data = float32_data(SAMPLES, 1).tensors[0].double()
-    sampler = GlobalBatchSampler(SAMPLES, GLOBAL_BATCH, seed=SEED)
-    fed: dict[int, list[tuple[float, ...]]] = {}
-    for path in out.glob("fed-*.jsonl"):
-        for line in path.read_text().splitlines():
-            record = json.loads(line)
-            fed.setdefault(record["step"], []).extend(map(tuple, record["rows"]))
-    for step in range(STEPS):
-        epoch, index = divmod(step, len(sampler))
-        expected = sorted(tuple(data[i].tolist()) for i in sampler.global_batch(epoch, index))
-        assert sorted(fed[step]) == expected, f"step {step}"
+    assert_every_sample_fed_once(out, float32_data(SAMPLES, 1).tensors[0].double(), STEPS)
     # the logged losses (one CSV file, continued by whichever worker is rank 0) equal the reference, over
     # the whole history, also from before a rank 0 died
     for metric in ("val_loss", "train_loss"):
