@@ -189,15 +189,22 @@ class PipelineEngine:
             self.plan.microbatch_size / self.plan.global_batch_size,
         )
 
-    def commit(self, loss: Tensor | None) -> list[float]:
+    def commit(self, loss: Tensor | None, extra: float = 0.0) -> list[float]:
         """The end of a training step, after :meth:`train_step`: all-reduce (sum, bounded, abortable)
-        ``[this worker's part of the squared gradient norm, its loss part]`` over every worker.
+        ``[this worker's part of the squared gradient norm, its loss part, extra]`` over every worker.
 
-        Returns ``[global squared gradient norm, global mean loss]``; its completion on any worker proves
-        that every worker finished the step's gradient sync.
+        Returns ``[global squared gradient norm, global mean loss, sum of extra]``; its completion on any
+        worker proves that every worker finished the step's gradient sync. ``extra`` lets the caller share
+        one more number per step without another collective (the Lightning glue: its SIGTERM flag).
         """
         part = loss if loss is not None else torch.zeros((), device=self.device)
-        values = torch.cat([self.grad_norm_sq().reshape(1), part.detach().to(torch.float64).reshape(1)])
+        values = torch.cat(
+            [
+                self.grad_norm_sq().reshape(1),
+                part.detach().to(torch.float64).reshape(1),
+                torch.tensor([extra], dtype=torch.float64, device=self.device),
+            ]
+        )
         return self.groups.all_reduce(values, self.abort).tolist()
 
     def evaluate(self, inputs: Tensor | None, targets: Tensor | None) -> Tensor:

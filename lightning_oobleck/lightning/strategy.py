@@ -21,6 +21,7 @@ layout, committed atomically.
 from __future__ import annotations
 
 import os
+import signal
 from collections.abc import Callable, Mapping
 from datetime import timedelta
 from pathlib import Path
@@ -240,8 +241,8 @@ class OobleckStrategy(ParallelStrategy, PipelineExecutor):
             if self._agent is not None:
                 assert self._store is not None
                 self._units.enable_recovery(self._agent, self._store)
-            # Lightning broadcasts its SIGTERM flag on the default group before every batch; as a unit, a
-            # peer lost there is recovered from like anywhere else.
+            # Lightning broadcasts its SIGTERM flag on the default group before every batch; here the step's
+            # commit carries it, so no collective runs outside the units.
             trainer.fit_loop.epoch_loop._broadcast_sigterm_tensor = self._units.check_sigterm  # type: ignore[method-assign]
 
     def _build_engine(self, module: PipelineModule) -> PipelineEngine:
@@ -323,6 +324,10 @@ class OobleckStrategy(ParallelStrategy, PipelineExecutor):
     @override
     def on_train_start(self) -> None:
         super().on_train_start()
+        # Lightning's own SIGTERM handler broadcasts on the default group from inside the handler (which
+        # would interleave with the units) and its loop then stops the signalled rank alone; this one only
+        # records the signal: the next commit shares it, and every worker stops at the same batch.
+        signal.signal(signal.SIGTERM, self._require_units().record_sigterm)
         recovery = self._require_units().recovery
         if recovery is not None:  # after a checkpoint restore: count steps as Lightning does
             recovery.start_at(self.lightning_module.trainer.global_step)

@@ -3,7 +3,8 @@
 :class:`~lightning_oobleck.lightning.OobleckStrategy` runs each of these through :class:`FitUnits`: a
 training step (pipeline, gradient sync and commit), an evaluation step (validation, sanity check, test),
 the reduces, broadcasts, barriers and all-gathers it serves to Lightning (``self.log(..., sync_dist=True)``,
-callbacks, the per-batch SIGTERM flag), a checkpoint save, and the barrier that ends the fit. Under
+callbacks), a checkpoint save, and the barrier that ends the fit. Lightning's per-batch SIGTERM flag rides
+on the training step's commit. Under
 in-process recovery each is a unit of :class:`~lightning_oobleck.recovery.runtime.Recovery`: a peer lost
 anywhere in it is recovered from in place and the unit is redone on the new pipelines (or, where other
 survivors completed it, its result adopted), so training continues in the same ``fit``. Without a
@@ -79,9 +80,11 @@ class FitUnits:
     def __init__(self, strategy: OobleckStrategy, trainer: Trainer) -> None:
         self.strategy = strategy
         self.trainer = trainer
-        self.committed: list[float] = [0.0, 0.0]
-        """The last training step's ``[global squared gradient norm, global mean loss]``."""
+        self.committed: list[float] = [0.0, 0.0, 0.0]
+        """The last training step's ``[global squared gradient norm, global mean loss, workers that had
+        received SIGTERM]``."""
         self._step_started = time.time()
+        self._sigterm = False
         self.recovery: Recovery | None = None
         self.events: EventLog | None = None
 
@@ -128,7 +131,7 @@ class FitUnits:
             loss = engine.train_step(
                 inputs if engine.is_first_stage else None, targets if engine.is_last_stage else None
             )
-            return engine.commit(loss)
+            return engine.commit(loss, float(self._sigterm))
 
         self.committed = self.run(step)
         return torch.tensor(self.committed[1], device=self.engine.device)
@@ -236,11 +239,17 @@ class FitUnits:
 
         return self.run(gather)
 
+    def record_sigterm(self, signum: int, frame: Any) -> None:
+        """The SIGTERM handler while training: remember the signal for the next commit, nothing else."""
+        self._sigterm = True
+
     def check_sigterm(self) -> None:
-        """Lightning's per-batch SIGTERM check, as a unit: raise ``SIGTERMException`` on every worker if any
-        worker received SIGTERM."""
-        received = torch.tensor([float(getattr(self.trainer, "received_sigterm", False))])
-        if float(self.all_reduce(received, dist.ReduceOp.MAX)[0]) > 0:
+        """Lightning's per-batch SIGTERM check, without a collective of its own: if any worker had received
+        SIGTERM by the last step's commit, which carries the flag, every worker (laggards included) ends the
+        run's units together and raises ``SIGTERMException`` here, at the same batch."""
+        if self.committed[2] > 0:
+            self.trainer._signal_connector.received_sigterm = True
+            self.finish()
             raise SIGTERMException()
 
     def save_checkpoint(self, checkpoint: dict[str, Any], path: str | Path) -> None:
