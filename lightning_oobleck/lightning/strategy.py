@@ -297,8 +297,10 @@ class OobleckStrategy(ParallelStrategy, PipelineExecutor):
                     "self.example_input_array to the inputs of one or more samples in your module's "
                     "__init__, or give OobleckStrategy(profile_path=..., layout=..., plan_path=...)"
                 )
-            # Profiles depend on shapes only: one sample, repeated to a micro-batch.
+            # Profiles depend on shapes only: one sample, repeated to a micro-batch, in the dtype the layers
+            # will see (the precision converts float inputs, e.g. float32 data under "64-true").
             example = example[:1].expand(cfg.microbatch_size, *example.shape[1:]).clone()
+            example = self.precision_plugin.convert_input(example)
             with self.precision_plugin.tensor_init_context():
                 profile = profile_layers(
                     module.configure_layers, example, self.root_device, seed=module.init_seed

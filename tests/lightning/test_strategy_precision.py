@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import lightning as L
 import pytest
 import torch
@@ -50,3 +52,36 @@ def test_bf16_mixed_pipeline_matches_single_process_bf16() -> None:
     for key, expected in ref_weights.items():
         torch.testing.assert_close(weights[key], expected, rtol=0, atol=2e-2, msg=key)
     assert val == pytest.approx(ref_val, abs=2e-2)
+
+
+class ProfiledNet(TinyNet):
+    """TinyNet with the float32 ``example_input_array`` the README shows, planned automatically."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.example_input_array = torch.zeros(1, 4)
+
+
+@pytest.mark.timeout(120)
+def test_a_float32_example_input_plans_under_64_true(tmp_path: Path) -> None:
+    """The automatic plan profiles the layers in the precision's dtype: float32 example inputs (and float32
+    data) train float64 weights under ``precision="64-true"``."""
+    strategy = OobleckStrategy(
+        global_batch_size=GLOBAL_BATCH, microbatch_size=MICRO, fault_tolerance=1, start_method="forkserver"
+    )
+    trainer = L.Trainer(
+        accelerator="cpu",
+        devices=2,
+        strategy=strategy,
+        precision="64-true",
+        max_steps=2,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        default_root_dir=tmp_path,
+    )
+    model = ProfiledNet()
+    trainer.fit(model, train_loader(torch.float32))
+    assert trainer.global_step == 2
+    assert model.state_dict()["layers.0.weight"].dtype == torch.float64
