@@ -29,8 +29,10 @@ class OobleckConfig:
     every process at least two micro-batches per step."""
     fault_tolerance: int = 1
     """f: node failures to survive at once (the plan runs at least f + 1 pipelines)."""
-    devices_per_node: int = 1
-    """Devices (processes) per failure domain: a node dies as a whole."""
+    devices_per_node: int | None = None
+    """Devices (processes) per failure domain: a node dies as a whole. ``None``: under SLURM the tasks per
+    node (``--ntasks-per-node``, the Trainer's ``devices``); with the local launcher 1 (each local process
+    stands for a node, so that one machine can rehearse node failures)."""
     seed: int = 0
     """Seeds the sample order (initial weights come from the module's ``init_seed``)."""
     backend: str | None = None
@@ -71,7 +73,7 @@ class OobleckConfig:
             )
         if self.fault_tolerance < 0:
             raise ValueError(f"fault_tolerance must be >= 0, got {self.fault_tolerance}")
-        if self.devices_per_node < 1:
+        if self.devices_per_node is not None and self.devices_per_node < 1:
             raise ValueError(f"devices_per_node must be >= 1, got {self.devices_per_node}")
         if self.start_method not in START_METHODS:
             raise ValueError(

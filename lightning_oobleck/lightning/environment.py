@@ -78,6 +78,11 @@ class OobleckEnvironment(ClusterEnvironment):
         self._global_rank: int | None = None
         self._world_size: int | None = None
 
+    def devices_per_node(self, configured: int | None) -> int:
+        """The processes per failure domain: ``configured`` (the strategy's ``devices_per_node``) or this
+        environment's default; an error names the key when it contradicts how the processes were placed."""
+        return 1 if configured is None else configured
+
     @abstractmethod
     def _read_position(self) -> LaunchPosition:
         """The launch position of this process."""
@@ -189,6 +194,7 @@ class OobleckSLURMEnvironment(OobleckEnvironment):
         self.tasks_per_node: int | None = (
             int(env["SLURM_NTASKS_PER_NODE"]) if "SLURM_NTASKS_PER_NODE" in env else None
         )
+        """SLURM's tasks per node, when the job was submitted with ``--ntasks-per-node``."""
         self.num_nodes: int | None = int(env["SLURM_NNODES"]) if "SLURM_NNODES" in env else None
 
     @property
@@ -205,6 +211,19 @@ class OobleckSLURMEnvironment(OobleckEnvironment):
 
     def _read_position(self) -> LaunchPosition:
         return self._position
+
+    def devices_per_node(self, configured: int | None) -> int:
+        """SLURM's tasks per node: one node of the job is one failure domain."""
+        placed = self.tasks_per_node
+        if placed is None and self.num_nodes and self.world_size() % self.num_nodes == 0:
+            placed = self.world_size() // self.num_nodes
+        if configured is not None and placed is not None and configured != placed:
+            raise ValueError(
+                f"OobleckStrategy(devices_per_node={configured}) but SLURM runs {placed} task(s) per node: a "
+                f"node is a failure domain, so leave devices_per_node unset (it follows SLURM) or set "
+                f"devices_per_node={placed}"
+            )
+        return configured or placed or 1
 
     def validate_settings(self, num_devices: int, num_nodes: int) -> None:
         if self.tasks_per_node is not None and self.tasks_per_node != num_devices:

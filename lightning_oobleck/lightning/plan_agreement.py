@@ -63,6 +63,7 @@ def layout_plan(config: OobleckConfig, num_layers: int, num_workers: int) -> Pla
     """
     assert config.layout is not None
     gpus = config.devices_per_node
+    assert gpus is not None, "devices_per_node is resolved from the cluster environment before planning"
     layout = [list(bounds) for bounds in config.layout]
     for p, bounds in enumerate(layout):
         if len(bounds) < 2 or bounds[0] != 0 or bounds[-1] != num_layers or bounds != sorted(set(bounds)):

@@ -23,6 +23,7 @@ from __future__ import annotations
 import os
 import signal
 from collections.abc import Callable, Mapping
+from dataclasses import replace
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
@@ -129,6 +130,13 @@ class OobleckStrategy(ParallelStrategy, PipelineExecutor):
 
     @property
     @override
+    def distributed_sampler_kwargs(self) -> dict[str, int]:
+        # Lightning sizes the sampler it injects before process_dataloader replaces it: every worker is a
+        # replica (a pipeline's share is cut by the global-batch sampler later).
+        return {"num_replicas": self.world_size, "rank": self.global_rank}
+
+    @property
+    @override
     def num_nodes(self) -> int:
         return self._num_nodes
 
@@ -172,6 +180,9 @@ class OobleckStrategy(ParallelStrategy, PipelineExecutor):
     def _configure_launcher(self) -> None:
         # Lightning calls this once devices and precision are known: refuse what cannot run before launching.
         self._check_precision()
+        self.config = replace(
+            self.config, devices_per_node=self._environment().devices_per_node(self.config.devices_per_node)
+        )
         if self.config.layout is not None:
             check_layout_size(self.config, self.num_processes * self.num_nodes)
         assert self.cluster_environment is not None

@@ -167,3 +167,21 @@ def test_oobleck_strategy_locally_gets_the_supervising_launcher(monkeypatch: pyt
     assert isinstance(trainer.strategy.cluster_environment, LocalOobleckEnvironment)
     launcher = trainer.strategy.launcher
     assert isinstance(launcher, OobleckLauncher) and launcher.num_processes == 4
+
+
+def test_a_node_of_the_slurm_job_is_the_failure_domain(slurm_task):
+    """2 tasks on each of 3 nodes: ``devices_per_node`` follows SLURM; a contradicting value names the key;
+    Lightning's sampler is sized for all 6 workers (rank 5 is valid)."""
+    from lightning_oobleck.lightning import OobleckStrategy
+
+    trainer = _trainer(OobleckStrategy(global_batch_size=12))
+    strategy = trainer.strategy
+    assert strategy.config.devices_per_node == 2
+    assert strategy.distributed_sampler_kwargs == {"num_replicas": 6, "rank": 5}
+    with pytest.raises(ValueError, match=r"devices_per_node=1\) but SLURM runs 2 task\(s\) per node"):
+        _trainer(OobleckStrategy(global_batch_size=12, devices_per_node=1))
+
+
+def test_locally_each_process_stands_for_a_node(monkeypatch: pytest.MonkeyPatch):
+    assert LocalOobleckEnvironment().devices_per_node(None) == 1
+    assert LocalOobleckEnvironment().devices_per_node(2) == 2

@@ -80,7 +80,9 @@ def test_devices_not_matching_the_layout_fail_when_the_trainer_is_built() -> Non
 
 
 def test_layouts_that_break_the_guarantee_or_the_plan_are_refused() -> None:
-    config = OobleckConfig(global_batch_size=GLOBAL_BATCH, microbatch_size=MICRO, fault_tolerance=1)
+    config = OobleckConfig(
+        global_batch_size=GLOBAL_BATCH, microbatch_size=MICRO, fault_tolerance=1, devices_per_node=1
+    )
     config.layout = [[0, 2, 4, 6]]
     with pytest.raises(ValueError, match="fault_tolerance=1 needs at least 2: add pipelines or lower"):
         layout_plan(config, 6, 3)

@@ -220,6 +220,34 @@ def test_submitit_job_survives_a_real_node_crash_with_the_reference_weights(
 
 
 @pytest.mark.timeout(300)
+def test_two_tasks_per_node_survive_a_real_node_crash_with_the_reference_weights(
+    cluster: Cluster, tmp_path: Path, reference: dict[str, torch.Tensor]
+) -> None:
+    """The README's multi-node shape on CPU: 3 nodes x 2 tasks, defaults (a node of the job is one failure
+    domain, ``devices_per_node`` follows SLURM). A node crash takes both of its tasks at once; the survivors
+    recover in place and end with the reference weights."""
+    out = tmp_path / "out"
+    out.mkdir()
+    args = [*training_args(out), "trainer.devices=2", "trainer.num_nodes=3"]
+    config = SubmitConfig(
+        nodes=3, tasks_per_node=2, time="5", log_dir=str(tmp_path / "logs"), job_name="crash-2-tasks",
+        script=str(EXAMPLE), args=args,
+    )  # fmt: skip
+    job = submit(config)
+    victim, _, watch = _crash_non_batch_node(cluster, job.job_id, out)
+    try:
+        assert wait(job, poll_interval_s=1.0, timeout_s=JOB_TIMEOUT_S) == "COMPLETED"
+        _assert_steps_once(out)
+        (recovery,) = [e for e in events(out) if e["kind"] == "recovery"]
+        node = cluster_node_id(victim)
+        assert sorted(recovery["removed"]) == [[node, 0], [node, 1]]
+        _assert_reference_weights(out, reference)
+    finally:
+        watch.join(timeout=90)
+        cluster.restart(victim)
+
+
+@pytest.mark.timeout(300)
 def test_sbatch_template_survives_a_real_node_crash_with_the_reference_weights(
     cluster: Cluster, tmp_path: Path, reference: dict[str, torch.Tensor]
 ) -> None:
