@@ -245,7 +245,9 @@ def test_the_launchers_supervisor_hosts_the_coordinator_and_exports_its_address(
         finally:
             for agent in agents:
                 agent.close()
-    assert service.coordinator is not None and service.coordinator.finished
+        # the supervisor stops the coordinator on exit: let it read both workers' LEAVE first
+        assert service.coordinator is not None and service.coordinator.wait_done(timeout=10)
+    assert service.coordinator.finished
 
 
 def test_the_coordinator_entry_point_serves_until_the_workers_finished(tmp_path: Path) -> None:
