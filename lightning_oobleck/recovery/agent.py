@@ -39,6 +39,7 @@ from typing import Any
 from lightning_oobleck.recovery.protocol import (
     ADDRESS_ENV,
     FENCED_EXIT_CODE,
+    SECRET_ENV,
     LineReader,
     Membership,
     Worker,
@@ -78,12 +79,18 @@ class GenerationChanged(RecoveryError):
 class WorkerAgent:
     """Failure notices, agreement and fencing for one worker process (see the module docstring).
 
-    ``address`` is the coordinator's ``host:port``; by default it comes from ``OOBLECK_COORDINATOR_ADDR``.
+    ``address`` is the coordinator's ``host:port``; by default it comes from ``OOBLECK_COORDINATOR_ADDR``, and
+    ``secret`` (the job's, made at launch) from ``OOBLECK_COORDINATOR_SECRET``.
     Use as a context manager, or call :meth:`start` and :meth:`close`.
     """
 
     def __init__(
-        self, worker: tuple[int, int], address: str | None = None, *, connect_timeout: float = 30.0
+        self,
+        worker: tuple[int, int],
+        address: str | None = None,
+        *,
+        connect_timeout: float = 30.0,
+        secret: str | None = None,
     ) -> None:
         address = address or os.environ.get(ADDRESS_ENV)
         if not address:
@@ -93,6 +100,7 @@ class WorkerAgent:
             )
         self._host, self._port = parse_address(address)
         self.address = address
+        self._secret = secret if secret is not None else os.environ.get(SECRET_ENV)
         self.worker = Worker(*worker)
         self.connect_timeout = connect_timeout
         self.abort = threading.Event()
@@ -142,6 +150,7 @@ class WorkerAgent:
                 device=self.worker.device,
                 pid=os.getpid(),
                 host=socket.gethostname(),
+                **({"secret": self._secret} if self._secret is not None else {}),
             )
             pending = self._await_welcome(deadline=time.monotonic() + self.connect_timeout)
         except OSError as e:

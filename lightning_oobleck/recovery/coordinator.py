@@ -61,6 +61,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import dataclasses
+import hmac
 import logging
 import os
 import selectors
@@ -124,6 +125,8 @@ class Coordinator:
         agreement_timeout: float = 30.0,
         advertise_host: str | None = None,
         kill_fenced: bool = False,
+        secret: str | None = None,
+        allow_joins: bool = True,
     ) -> None:
         if world_size < 1:
             raise ValueError(f"world_size must be >= 1 (the number of worker processes), got {world_size}")
@@ -135,6 +138,10 @@ class Coordinator:
         self.settle_s = settle_s
         self.agreement_timeout = agreement_timeout
         self.kill_fenced = kill_fenced
+        self.secret = secret
+        """Workers must present it to register (``None``: no secret, for trusted test setups only)."""
+        self.allow_joins = allow_joins
+        """Whether a worker may register after generation 0 (and join at the next generation)."""
         self._registration_timeout = max(10.0, 5 * heartbeat_timeout)
 
         self._server = socket.create_server((host, port))
@@ -330,7 +337,17 @@ class Coordinator:
     # ------------------------------------------------------------------ membership changes
 
     def _register(self, conn: _Connection, msg: dict[str, Any]) -> None:
+        if self.secret is not None and not hmac.compare_digest(str(msg.get("secret", "")), self.secret):
+            self._refuse(conn, "the job's secret is missing or wrong: only this job's workers may register")
+            return
         worker = Worker(int(msg["node"]), int(msg["device"]))
+        if self._current is not None and not self.allow_joins:
+            self._refuse(
+                conn,
+                f"worker {tuple(worker)} registered after the training started: this run does not admit new "
+                "workers (training goes on without it)",
+            )
+            return
         if worker.node in self._dead_nodes:
             self._send(
                 conn,

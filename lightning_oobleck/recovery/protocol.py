@@ -6,7 +6,8 @@ is one JSON object on one line (UTF-8, terminated by ``\\n``) with an ``"op"`` f
 
 Worker -> coordinator::
 
-    register  {node, device, pid, host}  first message; answered by welcome, refused or fenced
+    register  {node, device, pid, host, secret}
+                                          first message; answered by welcome, refused or fenced
     heartbeat {}                          every ``heartbeat_interval``; answered by ack
     suspect   {node, device, reason}      hint from a communication error: "this peer looks dead"
     ready     {generation}                agreement barrier: "I stopped generation g-1, I am ready for g"
@@ -40,6 +41,10 @@ FENCED_EXIT_CODE = 86
 
 ADDRESS_ENV = "OOBLECK_COORDINATOR_ADDR"
 """Environment variable holding the coordinator's ``host:port`` for the worker agents."""
+
+SECRET_ENV = "OOBLECK_COORDINATOR_SECRET"
+"""Environment variable holding the job's secret, made at launch: the coordinator registers only workers that
+present it (never logged)."""
 
 MAX_LINE_BYTES = 1 << 20
 

@@ -6,10 +6,11 @@ them, rank 0 included. Under SLURM the batch host plays that role instead (``coo
 
 from __future__ import annotations
 
+import secrets
 from typing import TYPE_CHECKING
 
 from lightning_oobleck.recovery.coordinator import Coordinator
-from lightning_oobleck.recovery.protocol import ADDRESS_ENV
+from lightning_oobleck.recovery.protocol import ADDRESS_ENV, SECRET_ENV
 
 if TYPE_CHECKING:
     from lightning_oobleck.lightning.launcher import Supervisor
@@ -38,8 +39,11 @@ class CoordinatorService:
             settle_s=self.settle_s,
             agreement_timeout=self.agreement_timeout,
             kill_fenced=True,  # every worker runs on this machine
+            secret=secrets.token_hex(16),
+            allow_joins=False,
         ).start()
         supervisor.worker_env[ADDRESS_ENV] = self.coordinator.address
+        supervisor.worker_env[SECRET_ENV] = self.coordinator.secret
 
     def worker_exited(self, rank: int, exitcode: int) -> None:
         """Nothing to do: the coordinator saw the worker's connection close when its process ended."""

@@ -30,6 +30,7 @@ import contextlib
 import datetime
 import logging
 import os
+import secrets
 import selectors
 import shlex
 import signal
@@ -62,6 +63,7 @@ def serve(
     from torch.distributed import TCPStore
 
     from lightning_oobleck.recovery import ADDRESS_ENV, Coordinator
+    from lightning_oobleck.recovery.protocol import SECRET_ENV
 
     # The coordinator's registrations, deaths and generations go to this process's log (``--log``).
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s", stream=sys.stderr)
@@ -71,9 +73,19 @@ def serve(
     # Fenced workers on this host are SIGKILLed so that their gloo peers see them gone at once; tasks on
     # other hosts fence themselves.
     coordinator = Coordinator(
-        world_size, advertise_host=host, heartbeat_timeout=heartbeat_timeout_s, kill_fenced=True
+        world_size,
+        advertise_host=host,
+        heartbeat_timeout=heartbeat_timeout_s,
+        kill_fenced=True,
+        secret=secrets.token_hex(16),
+        allow_joins=False,
     ).start()
-    exports = {STORE_ADDR_VAR: f"{host}:{store.port}", ADDRESS_ENV: coordinator.address}
+    assert coordinator.secret is not None
+    exports = {
+        STORE_ADDR_VAR: f"{host}:{store.port}",
+        ADDRESS_ENV: coordinator.address,
+        SECRET_ENV: coordinator.secret,  # for the tasks: the batch script evals this line, never prints it
+    }
     print("export " + " ".join(f"{k}={shlex.quote(v)}" for k, v in exports.items()), flush=True)
     stop = threading.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):

@@ -29,7 +29,7 @@ from lightning_oobleck.recovery import (
     Worker,
     WorkerAgent,
 )
-from lightning_oobleck.recovery.protocol import LineReader, encode, parse_address
+from lightning_oobleck.recovery.protocol import SECRET_ENV, LineReader, encode, parse_address
 from lightning_oobleck.recovery.service import CoordinatorService
 
 W = Worker
@@ -236,8 +236,8 @@ def test_the_launchers_supervisor_hosts_the_coordinator_and_exports_its_address(
 
     service = CoordinatorService(heartbeat_timeout=5.0)
     with Supervisor(2, services=[service]) as supervisor:
-        address = supervisor.worker_env[ADDRESS_ENV]
-        agents = [WorkerAgent((node, 0), address).start() for node in (0, 1)]
+        address, secret = supervisor.worker_env[ADDRESS_ENV], supervisor.worker_env[SECRET_ENV]
+        agents = [WorkerAgent((node, 0), address, secret=secret).start() for node in (0, 1)]
         try:
             with ThreadPoolExecutor(len(agents)) as pool:  # the barrier needs both at once
                 agreed = list(pool.map(lambda agent: agent.agree(after=-1, timeout=5.0), agents))
