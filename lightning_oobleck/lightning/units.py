@@ -52,7 +52,7 @@ from lightning_oobleck.execution.stage import StageModule
 from lightning_oobleck.lightning.data import DataPosition, PipelineDataLoader, share_of_pipeline
 from lightning_oobleck.recovery.agent import WorkerAgent
 from lightning_oobleck.recovery.events import EventLog, RecoveryEvent
-from lightning_oobleck.recovery.runtime import Recovery
+from lightning_oobleck.recovery.runtime import Recovery, Unit
 
 if TYPE_CHECKING:
     from lightning_oobleck.lightning.module import PipelineModule
@@ -115,7 +115,7 @@ class FitUnits:
     def engine(self) -> PipelineEngine:
         return self.strategy.engine
 
-    def run(self, unit: Callable[[PipelineEngine], T]) -> T:
+    def run(self, unit: Unit[T]) -> T:
         """Run ``unit`` as a recoverable unit (or once, without recovery)."""
         return self.recovery.run(unit) if self.recovery is not None else unit(self.engine)
 

@@ -133,7 +133,6 @@ class _Switch:
     membership: Membership
     event: RecoveryEvent
     plan: Reconfiguration | ReconfigurationError
-    newest_done: int
 
 
 class Recovery:
@@ -226,13 +225,9 @@ class Recovery:
         self.ledger.done += 1
         self.ledger.result = result
 
-    def all_reduce(self, tensor: Tensor, op: dist.ReduceOp.RedOpType = dist.ReduceOp.SUM) -> Tensor:
-        """A reduce unit: ``tensor`` summed over every worker (a new tensor; ``tensor`` stays for a redo)."""
-        return self.run(lambda engine: engine.groups.all_reduce(tensor.clone(), self.agent.abort, op))
-
     def barrier(self) -> None:
         """A barrier unit."""
-        self.all_reduce(torch.zeros(1, device=self.engine.device))
+        self.run(lambda engine: engine.groups.all_reduce(torch.zeros(1, device=engine.device), engine.abort))
 
     def commit(self, engine: PipelineEngine, loss: Tensor | None) -> list[float]:
         """The training step's final all-reduce (:meth:`PipelineEngine.commit`): the step's result."""
@@ -248,7 +243,7 @@ class Recovery:
         pipeline takes its slice under the plan of the moment. Returns the global mean loss."""
 
         def step(engine: PipelineEngine) -> list[float]:
-            self.drop_gradients()
+            engine.module.zero_grad(set_to_none=True)
             inputs, targets = batch(self.ledger.steps)
             loss = engine.train_step(
                 inputs[engine.batch_slice] if engine.is_first_stage else None,
@@ -260,10 +255,6 @@ class Recovery:
         update(self.optimizer, committed[0])
         self.advance()
         return committed[1]
-
-    def drop_gradients(self) -> None:
-        """Clear the gradients of the layers held now (before a step, or its redo, accumulates new ones)."""
-        self.module.zero_grad(set_to_none=True)
 
     def start_at(self, step: int) -> None:
         """Number the optimizer steps from ``step`` (a fit resumed from a checkpoint starts past 0)."""
@@ -331,7 +322,7 @@ class Recovery:
             except ReconfigurationError as e:
                 plan = e
             event.mark("replanned")
-            self._switch = _Switch(membership, event, plan, newest)
+            self._switch = _Switch(membership, event, plan)
             if self.ledger.done == newest:
                 return None
             if self.ledger.done == newest - 1:
