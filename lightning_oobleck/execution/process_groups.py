@@ -20,6 +20,7 @@ import torch.distributed as dist
 import torch.distributed.distributed_c10d as c10d
 
 from lightning_oobleck.execution.comm import CommWaiter
+from lightning_oobleck.execution.errors import PeerFailure
 from lightning_oobleck.planning.plan import Plan
 
 Worker = tuple[int, int]
@@ -32,11 +33,7 @@ def backend_for(device: torch.device) -> str:
 
 
 class ProcessGroups:
-    """Default group plus per-owner-set gradient groups of one plan and generation.
-
-    ``world_size``, when given, is the number of processes actually launched; a plan for another number
-    of workers is refused before any rendezvous (which would otherwise hang until the timeout).
-    """
+    """Default group plus per-owner-set gradient groups of one plan and generation."""
 
     def __init__(
         self,
@@ -46,18 +43,12 @@ class ProcessGroups:
         generation: int,
         backend: str = "gloo",
         timeout: timedelta = timedelta(seconds=60),
-        world_size: int | None = None,
     ) -> None:
         workers = plan.workers
         if worker not in workers:
             raise ValueError(
                 f"worker {worker} is not part of the plan, whose workers are {list(workers)}; "
                 "pass the (node, device) this process runs, or a plan that includes it"
-            )
-        if world_size is not None and world_size != len(workers):
-            raise ValueError(
-                f"the plan has {len(workers)} workers but {world_size} processes were launched; "
-                f"make a plan for {world_size} workers or launch {len(workers)} processes"
             )
         if dist.is_initialized():
             raise RuntimeError(
@@ -158,6 +149,29 @@ class ProcessGroups:
         self._grad_groups.clear()
         if dist.is_initialized():
             dist.destroy_process_group()
+
+
+def check_plan_size(plan: Plan, world_size: int) -> Plan:
+    """``plan``, if it has one worker per launched process; else an error that says what to change."""
+    if world_size != len(plan.workers):
+        raise ValueError(
+            f"the plan has {len(plan.workers)} workers but {world_size} processes were launched; "
+            f"make a plan for {world_size} workers or launch {len(plan.workers)} processes"
+        )
+    return plan
+
+
+def join_generation(
+    plan: Plan, worker: Worker, store: dist.Store, generation: int, backend: str, timeout: timedelta
+) -> ProcessGroups:
+    """:class:`ProcessGroups` of a generation whose members may fail while they connect: a peer lost then
+    raises :class:`PeerFailure` (recovery moves on to the next generation) and leaves no default group."""
+    try:
+        return ProcessGroups(plan, worker, store, generation, backend, timeout)
+    except RuntimeError as e:  # gloo reports a peer lost while connecting as a plain RuntimeError
+        if dist.is_initialized():
+            dist.destroy_process_group()
+        raise PeerFailure(f"building the groups of generation {generation} failed: {e}") from e
 
 
 def _forget_all_groups() -> None:

@@ -1,49 +1,16 @@
-"""Every worker runs the same plan: rank 0 makes it, the rendezvous store hands it to the others.
-
-Rank 0 takes the plan from, in this order, ``plan_path`` (a saved plan), ``layout`` (explicit stage
-boundaries, mostly for tests and benchmarks) or the planner (a layer profile, measured or loaded from
-``profile_path``). Profiles differ from rank to rank, so the others never plan themselves: they wait for
-rank 0's JSON. If rank 0 fails, it publishes the error, so that every rank stops with the same message
-instead of waiting for a timeout.
+"""The plan a configuration fixes: ``plan_path`` (a saved plan) or ``layout`` (explicit stage boundaries,
+mostly for tests and benchmarks); otherwise the planner chooses from a layer profile. One worker makes the
+plan and hands it to the others (:mod:`~lightning_oobleck.recovery.startup`): profiles differ from worker
+to worker, so the others never plan themselves.
 """
 
 from __future__ import annotations
 
 import itertools
-import json
-from collections.abc import Callable, Sequence
-from datetime import timedelta
-
-import torch.distributed as dist
+from collections.abc import Sequence
 
 from lightning_oobleck.lightning.config import OobleckConfig
 from lightning_oobleck.planning.plan import Pipeline, PipelineTemplate, Plan, Stage
-
-PLAN_KEY = "oobleck/plan"
-
-
-def agree_on_plan(
-    store: dist.Store,
-    is_rank_zero: bool,
-    config: OobleckConfig,
-    num_layers: int,
-    num_workers: int,
-    make_plan: Callable[[], Plan],
-) -> Plan:
-    """The plan of this launch: made on rank 0 (``make_plan`` unless the config fixes it), read elsewhere."""
-    if is_rank_zero:
-        try:
-            plan = configured_plan(config, num_layers, num_workers) or make_plan()
-        except Exception as e:
-            store.set(PLAN_KEY, json.dumps({"error": f"{type(e).__name__}: {e}"}))
-            raise
-        store.set(PLAN_KEY, plan.to_json())
-        return plan
-    store.wait([PLAN_KEY], timedelta(seconds=config.plan_timeout_s))
-    message = json.loads(store.get(PLAN_KEY))
-    if "error" in message:
-        raise RuntimeError(f"rank 0 could not make a plan: {message['error']}")
-    return Plan.from_dict(message)
 
 
 def configured_plan(config: OobleckConfig, num_layers: int, num_workers: int) -> Plan | None:

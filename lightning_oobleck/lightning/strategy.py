@@ -46,7 +46,7 @@ from typing_extensions import override
 
 from lightning_oobleck.execution import PipelineEngine, ProcessGroups
 from lightning_oobleck.execution.checkpoint import load_metadata, load_sharded_model, load_sharded_optimizers
-from lightning_oobleck.execution.process_groups import backend_for
+from lightning_oobleck.execution.process_groups import backend_for, check_plan_size
 from lightning_oobleck.lightning.config import OobleckConfig, load_oobleck_config
 from lightning_oobleck.lightning.data import (
     DataPosition,
@@ -62,13 +62,14 @@ from lightning_oobleck.lightning.module import (
     as_pipeline_module,
     meta_layers,
 )
-from lightning_oobleck.lightning.plan_agreement import agree_on_plan, check_layout_size
+from lightning_oobleck.lightning.plan_agreement import check_layout_size, configured_plan
 from lightning_oobleck.lightning.precision import with_global_norm_clipping
 from lightning_oobleck.lightning.units import FitUnits, share_logger_versions
 from lightning_oobleck.planning.plan import Plan
 from lightning_oobleck.recovery.agent import WorkerAgent
 from lightning_oobleck.recovery.protocol import ADDRESS_ENV
 from lightning_oobleck.recovery.service import CoordinatorService
+from lightning_oobleck.recovery.startup import publish_plan, read_plan, start
 
 
 class OobleckStrategy(ParallelStrategy, PipelineExecutor):
@@ -205,25 +206,31 @@ class OobleckStrategy(ParallelStrategy, PipelineExecutor):
         module = self._pipeline_module()
         self.config = self.config.with_batch(self._loader_batch_size(), environment.world_size())
         store = self._store = _connect_store(environment, self.config)
-        layers = meta_layers(module)
-        plan = agree_on_plan(
-            store,
-            environment.global_rank() == 0,
-            self.config,
-            len(layers),
-            environment.world_size(),
-            make_plan=lambda: self._planner_plan(module, environment.world_size()),
-        )
-        self._agent, generation = _start_agent(environment.worker, self.config.plan_timeout_s)
-        self._groups = ProcessGroups(
-            plan,
-            environment.worker,
-            store,
-            generation=generation,
-            backend=self.config.backend or backend_for(self.root_device),
-            timeout=timedelta(seconds=self.config.collective_timeout_s),
-            world_size=environment.world_size(),
-        )
+        num_layers, num_workers = len(meta_layers(module)), environment.world_size()
+
+        def make_plan() -> Plan:
+            plan = configured_plan(self.config, num_layers, num_workers)
+            return check_plan_size(plan or self._planner_plan(module, num_workers), num_workers)
+
+        backend = self.config.backend or backend_for(self.root_device)
+        timeout = timedelta(seconds=self.config.collective_timeout_s)
+        if os.environ.get(ADDRESS_ENV):  # a coordinator runs: workers lost before the first step are survived
+            self._agent = WorkerAgent(environment.worker, connect_timeout=self.config.plan_timeout_s).start()
+            _, _, self._groups = start(
+                self._agent,
+                store,
+                make_plan,
+                self.config.plan_timeout_s,
+                backend=backend,
+                group_timeout=timeout,
+            )
+        else:
+            plan = (
+                publish_plan(store, make_plan)
+                if environment.global_rank() == 0
+                else read_plan(store, self.config.plan_timeout_s)
+            )
+            self._groups = ProcessGroups(plan, environment.worker, store, 0, backend, timeout)
         environment.set_global_rank(self._groups.rank)
         environment.set_world_size(self._groups.world_size)
         rank_zero_only.rank = self._groups.rank
@@ -246,12 +253,13 @@ class OobleckStrategy(ParallelStrategy, PipelineExecutor):
             self.precision_plugin, lambda: self._require_units().committed[0]
         )
         self._units = FitUnits(self, trainer)
-        share_logger_versions(trainer, self._units)
         if trainer.state.fn == TrainerFn.FITTING:
             _optimizers_to_device(self.optimizers, self.root_device)
             if self._agent is not None:
                 assert self._store is not None
                 self._units.enable_recovery(self._agent, self._store)
+        share_logger_versions(trainer, self._units)
+        if trainer.state.fn == TrainerFn.FITTING:
             # Lightning broadcasts its SIGTERM flag on the default group before every batch; here the step's
             # commit carries it, so no collective runs outside the units.
             trainer.fit_loop.epoch_loop._broadcast_sigterm_tensor = self._units.check_sigterm  # type: ignore[method-assign]
@@ -639,11 +647,3 @@ def _shuffles(loader: DataLoader) -> bool:
 def _connect_store(environment: OobleckEnvironment, config: OobleckConfig) -> dist.Store:
     host, port = environment.store_address
     return dist.TCPStore(host, port, is_master=False, timeout=timedelta(seconds=config.plan_timeout_s))
-
-
-def _start_agent(worker: tuple[int, int], timeout_s: float) -> tuple[WorkerAgent | None, int]:
-    """The worker's agent and the first agreed generation, when a coordinator runs (``ADDRESS_ENV``)."""
-    if not os.environ.get(ADDRESS_ENV):
-        return None, 0
-    agent = WorkerAgent(worker, connect_timeout=timeout_s).start()
-    return agent, agent.agree(-1, timeout_s).generation

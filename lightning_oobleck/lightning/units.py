@@ -92,8 +92,6 @@ class FitUnits:
         """Make every later unit recoverable, with ``agent`` (the coordinator's notices) and ``store``."""
         strategy, trainer = self.strategy, self.trainer
         engine = strategy.engine
-        root = Path(trainer.log_dir or trainer.default_root_dir)
-        self.events = EventLog(root / EVENTS_FILE, logger=trainer.logger)
         config = strategy.config
         self.recovery = Recovery(
             agent,
@@ -108,8 +106,11 @@ class FitUnits:
             group_timeout=engine.groups.timeout,
             agreement_timeout=max(30.0, engine.groups.timeout.total_seconds()),
             checkpoint_dir=Path(trainer.default_root_dir) / "oobleck-survivors",
-            events=self.events,
         )
+        # The log directory is agreed by a broadcast: a unit, recovered like the others.
+        root = Path(trainer.log_dir or trainer.default_root_dir)
+        self.events = EventLog(root / EVENTS_FILE, logger=trainer.logger)
+        self.recovery.log_events(self.events)
 
     @property
     def engine(self) -> PipelineEngine:

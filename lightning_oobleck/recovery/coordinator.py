@@ -7,8 +7,11 @@ so the loss of any worker, global rank 0 included, is survived. Every worker's
 
 The protocol, step by step::
 
-    start      workers register (node, device, pid). When ``world_size`` have registered, generation 0
-               is announced to all of them (same barrier as after a failure, below).
+    start      workers register (node, device, pid). When every one of the ``world_size`` workers has
+               registered or was lost, generation 0 is announced to those alive (same barrier as after a
+               failure, below). A worker that dies before it registers is reported by whoever saw its
+               process end (the local launcher's supervisor: :meth:`Coordinator.worker_exited`): its node
+               is out, and generation 0 starts without it at once instead of waiting for it.
 
     detect     a worker is declared dead when
                  (a) its connection ends (EOF/reset): its process died; a SIGKILL closes its sockets
@@ -127,6 +130,7 @@ class Coordinator:
         kill_fenced: bool = False,
         secret: str | None = None,
         allow_joins: bool = True,
+        devices_per_node: int = 1,
     ) -> None:
         if world_size < 1:
             raise ValueError(f"world_size must be >= 1 (the number of worker processes), got {world_size}")
@@ -142,6 +146,8 @@ class Coordinator:
         """Workers must present it to register (``None``: no secret, for trusted test setups only)."""
         self.allow_joins = allow_joins
         """Whether a worker may register after generation 0 (and join at the next generation)."""
+        self.devices_per_node = devices_per_node
+        """Workers per node: a node lost before it registered takes that many workers out of the start."""
         self._registration_timeout = max(10.0, 5 * heartbeat_timeout)
 
         self._server = socket.create_server((host, port))
@@ -165,7 +171,9 @@ class Coordinator:
         self._alive: dict[Worker, _Connection] = {}
         self._finished: set[Worker] = set()
         self._dead_nodes: dict[int, str] = {}
-        self._lost_before_start = 0
+        self._lost_before_start: set[Worker] = set()
+        self._exits: list[tuple[Worker, str]] = []
+        """Process ends reported by :meth:`worker_exited`, for the service thread."""
         self._current: Membership | None = None
         self._ready: set[Worker] = set()
         self._agree_deadline: float | None = None
@@ -203,6 +211,17 @@ class Coordinator:
 
     def __exit__(self, *exc: object) -> None:
         self.stop()
+
+    def worker_exited(self, worker: Worker, reason: str) -> None:
+        """Report that ``worker``'s process ended (from any thread).
+
+        A registered worker's end is seen on its connection; this is for a worker that died before it
+        registered, which would otherwise hold back generation 0: its node is declared dead.
+        """
+        with self._lock:
+            self._exits.append((worker, reason))
+        with contextlib.suppress(OSError):
+            self._wake_w.send(b"x")
 
     def wait_done(self, timeout: float) -> bool:
         """Wait until no worker is left (all finished or dead); False if ``timeout`` passed first."""
@@ -243,6 +262,7 @@ class Coordinator:
                         self._accept()
                     elif key.data == "wake":
                         key.fileobj.recv(64)  # type: ignore[union-attr]
+                        self._take_exits()
                     else:
                         self._service(key.data, events)
                     self._drop_broken()
@@ -376,21 +396,39 @@ class Coordinator:
         )
         log.info("worker %s registered (pid %s, %s)", tuple(worker), conn.pid, conn.peer)
         if self._current is None:
-            if len(self._alive) + self._lost_before_start >= self.world_size:
-                self._change_detected_at = time.time()
-                self._announce()
+            self._maybe_start(time.time())
         else:
             self._schedule_change()
 
-    def _declare_dead(self, worker: Worker, reason: str) -> None:
-        """Take ``worker``'s whole node out, fence its processes, abort the current generation."""
-        if worker not in self._alive:
+    def _maybe_start(self, now: float) -> None:
+        """Announce generation 0 once every expected worker registered or was lost."""
+        if self._alive and len(self._alive) + len(self._lost_before_start) >= self.world_size:
+            self._change_detected_at = now
+            self._announce()
+
+    def _take_exits(self) -> None:
+        with self._lock:
+            exits, self._exits = self._exits, []
+        for worker, reason in exits:
+            # A registered worker's end is seen on its connection, after whatever it sent last (a LEAVE).
+            if self._current is None and worker not in self._alive and worker.node not in self._dead_nodes:
+                self._declare_dead(worker, reason, registered=False)
+
+    def _declare_dead(self, worker: Worker, reason: str, registered: bool = True) -> None:
+        """Take ``worker``'s whole node out, fence its processes, abort the current generation.
+
+        ``registered=False``: ``worker`` died before it registered (only before generation 0)."""
+        if registered and worker not in self._alive:
             return
         node = worker.node
         self._dead_nodes[node] = f"worker {tuple(worker)}: {reason}"
         now = time.time()
         generation = self._current.generation if self._current else -1
         victims = sorted(w for w in self._alive if w.node == node)
+        if not registered:
+            log.warning("worker %s declared dead before it registered: %s", tuple(worker), reason)
+            with self._lock:
+                self._deaths.append(Death(worker, reason, now, generation))
         for w in victims:
             why = reason if w == worker else f"node {node} is out because worker {tuple(worker)}: {reason}"
             log.warning("worker %s declared dead: %s", tuple(w), why)
@@ -402,10 +440,9 @@ class Coordinator:
                 self._kill_if_local(conn)
             self._close(conn)
         if self._current is None:
-            self._lost_before_start += len(victims)
-            if self._alive and len(self._alive) + self._lost_before_start >= self.world_size:
-                self._change_detected_at = now
-                self._announce()
+            self._lost_before_start |= {Worker(node, d) for d in range(self.devices_per_node)}
+            self._lost_before_start |= {worker, *victims}
+            self._maybe_start(now)
             return
         self._schedule_change()
         if not set(victims) & set(self._current.workers):
@@ -428,13 +465,16 @@ class Coordinator:
     def _announce(self) -> None:
         """Publish the next generation: every live registered worker, in rank order."""
         self._change_at = None
-        previous = set(self._current.workers) if self._current else set()
         workers = tuple(sorted(self._alive))
-        removed = tuple(sorted(previous - set(workers)))
-        added = tuple(sorted(set(workers) - previous))
-        if not workers or not (removed or added):
-            self._maybe_go()
-            return
+        if self._current is None:  # the start: "removed" are the workers lost before it
+            removed, added = tuple(sorted(self._lost_before_start)), ()
+        else:
+            previous = set(self._current.workers)
+            removed = tuple(sorted(previous - set(workers)))
+            added = tuple(sorted(set(workers) - previous))
+            if not workers or not (removed or added):
+                self._maybe_go()
+                return
         with self._lock:
             causes = [f"{tuple(d.worker)} {d.reason}" for d in self._deaths if d.worker in removed]
         causes += [f"{tuple(w)} left (finished)" for w in removed if w in self._finished]
@@ -533,13 +573,22 @@ class Coordinator:
 
         A stopped or hung process keeps its gloo connections open, so its peers' pending operations (and
         a ``destroy_process_group``) wait for the whole process-group timeout; once it is killed they
-        fail within milliseconds. Only for processes on this host, and only while their connection to
-        us is open: that proves the pid is still theirs.
+        fail within milliseconds. Only a process on this host that holds this very connection (checked in
+        ``/proc``: the pid a client reports is not trusted), while the connection is open.
         """
-        if self.kill_fenced and conn.pid and conn.host == socket.gethostname():
-            log.warning("killing fenced worker %s (pid %d)", tuple(conn.worker or ()), conn.pid)
-            with contextlib.suppress(ProcessLookupError, PermissionError):
-                os.kill(int(conn.pid), signal.SIGKILL)
+        if not (self.kill_fenced and conn.pid and conn.host == socket.gethostname()):
+            return
+        pid = int(conn.pid)
+        if not holds_connection(pid, conn.sock):
+            log.warning(
+                "not killing pid %d reported by fenced worker %s: that process does not hold its connection",
+                pid,
+                tuple(conn.worker or ()),
+            )
+            return
+        log.warning("killing fenced worker %s (pid %d)", tuple(conn.worker or ()), pid)
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.kill(pid, signal.SIGKILL)
 
     # ------------------------------------------------------------------ connections
 
@@ -588,6 +637,38 @@ class Coordinator:
         with contextlib.suppress(KeyError, ValueError):
             self._selector.unregister(conn.sock)
         conn.sock.close()
+
+
+def holds_connection(pid: int, sock: socket.socket) -> bool:
+    """Whether process ``pid`` (on this host) has the other end of TCP connection ``sock`` open.
+
+    The peer's socket is found in the kernel's table by its address (``/proc/net/tcp``, ``tcp6``), and
+    the process by the socket's inode among its file descriptors: the same proof ``SO_PEERCRED`` gives for
+    a Unix socket. A forked child that inherited the connection also holds it."""
+    try:
+        peer_port, local_port = sock.getpeername()[1], sock.getsockname()[1]
+    except OSError:
+        return False
+    inodes = set()
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        with contextlib.suppress(OSError), open(table) as f:
+            for line in list(f)[1:]:
+                fields = line.split()
+                local, remote, inode = fields[1], fields[2], fields[9]
+                ports = int(local.rsplit(":", 1)[1], 16), int(remote.rsplit(":", 1)[1], 16)
+                if ports == (peer_port, local_port):
+                    inodes.add(f"socket:[{inode}]")
+    if not inodes:
+        return False
+    try:
+        fds = os.listdir(f"/proc/{pid}/fd")
+    except OSError:
+        return False
+    for fd in fds:
+        with contextlib.suppress(OSError):
+            if os.readlink(f"/proc/{pid}/fd/{fd}") in inodes:
+                return True
+    return False
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -41,6 +41,7 @@ from __future__ import annotations
 import io
 import json
 import logging
+import threading
 import time
 from collections import defaultdict
 from collections.abc import Callable
@@ -63,7 +64,7 @@ from lightning_oobleck.execution.checkpoint import (
 )
 from lightning_oobleck.execution.engine import PipelineEngine
 from lightning_oobleck.execution.errors import PeerFailure
-from lightning_oobleck.execution.process_groups import ProcessGroups
+from lightning_oobleck.execution.process_groups import ProcessGroups, join_generation
 from lightning_oobleck.execution.stage import LayerSource, StageModule, build_stage
 from lightning_oobleck.planning.plan import Plan
 from lightning_oobleck.planning.reconfigure import Reconfiguration, ReconfigurationError, after_failures
@@ -179,6 +180,7 @@ class Recovery:
         self.max_attempts = max_attempts
         self.checkpoint_dir = Path(checkpoint_dir) if checkpoint_dir is not None else None
         self.events = events
+        self._unlogged: list[tuple[RecoveryEvent, int]] = []
         self.ledger = Ledger()
         self.plan = engine.plan
         self.module = engine.module
@@ -369,20 +371,22 @@ class Recovery:
         event.warnings = list(reconfiguration.plan.warnings)
         for warning in event.warnings:
             log.warning("%s", warning)
-        if self.events is not None and membership.workers[0] == self.worker:
-            self.events.recovery(event, step=self.ledger.steps)
+        if membership.workers[0] == self.worker:
+            self._unlogged.append((event, self.ledger.steps))
+            self.log_events(self.events)
         self.host.switched(self, event)
+
+    def log_events(self, events: EventLog | None) -> None:
+        """Record recoveries in ``events`` from now on, and those that happened before it was given."""
+        self.events = events
+        while events is not None and self._unlogged:
+            events.recovery(*self._unlogged.pop(0))
 
     def _switch_barrier(self, groups: ProcessGroups) -> None:
         groups.all_reduce(torch.ones(1, device=self.engine.device), self.agent.abort)
 
     def _new_groups(self, plan: Plan, generation: int) -> ProcessGroups:
-        try:
-            return ProcessGroups(plan, self.worker, self.store, generation, self.backend, self.group_timeout)
-        except RuntimeError as e:  # gloo reports a peer lost while connecting as a plain RuntimeError
-            if dist.is_initialized():
-                dist.destroy_process_group()
-            raise PeerFailure(f"building the groups of generation {generation} failed: {e}") from e
+        return join_generation(plan, self.worker, self.store, generation, self.backend, self.group_timeout)
 
     def _drop_groups(self) -> None:
         """Leave the failed generation(s) without waiting for operations stuck on silent peers."""
@@ -391,25 +395,11 @@ class Recovery:
             self._aborted += self._pending_groups.abort()
             self._pending_groups = None
 
-    def _key(self, membership: Membership, what: str, worker: tuple[int, int]) -> str:
-        return f"oobleck/recovery/gen{membership.generation}/{what}/{worker[0]}.{worker[1]}"
-
     def _wait_for_members(self, membership: Membership, what: str) -> None:
-        """Publish that this worker reached ``what`` and wait (bounded, abortable) until every member did."""
-        self.store.set(self._key(membership, what, self.worker), b"1")
-        keys = [self._key(membership, what, w) for w in membership.workers]
-        deadline = time.monotonic() + self.group_timeout.total_seconds()
-        while not self.store.check(keys):
-            if self.agent.abort.is_set():
-                raise PeerFailure(
-                    f"another failure happened while the survivors waited for each other ({what})"
-                )
-            if time.monotonic() > deadline:
-                raise PeerFailure(f"not every survivor reached the {what} within {self.group_timeout}")
-            time.sleep(0.002)
+        wait_for_members(self.store, membership, self.worker, what, self.agent.abort, self.group_timeout)
 
     def _read(self, membership: Membership, worker: tuple[int, int], what: str) -> bytes:
-        return self.store.get(self._key(membership, what, worker))
+        return self.store.get(_member_key(membership, what, worker))
 
     def _exchange(self, membership: Membership) -> dict[tuple[int, int], dict[str, Any]]:
         """Every member's position (layout generation, copied layout, units done) through the store."""
@@ -418,8 +408,8 @@ class Recovery:
             "copied": self._copied.generation if self._copied else -1,
             "done": self.ledger.done,
         }
-        self.store.set(self._key(membership, "result", self.worker), _dump(self.ledger.result))
-        self.store.set(self._key(membership, "position", self.worker), json.dumps(mine))
+        self.store.set(_member_key(membership, "result", self.worker), _dump(self.ledger.result))
+        self.store.set(_member_key(membership, "position", self.worker), json.dumps(mine))
         self._wait_for_members(membership, "exchange")
         return {
             (w.node, w.device): json.loads(self._read(membership, w, "position")) for w in membership.workers
@@ -486,9 +476,9 @@ class Recovery:
             shards = {layer: shard_name(w) for layer, w in writer.items() if w is not None}
             write_metadata(partial, self.host.checkpoint_metadata(), shards)
             commit(partial, path)
-            self.store.set(self._key(membership, "checkpoint-committed", self.worker), b"1")
+            self.store.set(_member_key(membership, "checkpoint-committed", self.worker), b"1")
         else:
-            self._wait_for(self._key(membership, "checkpoint-committed", membership.workers[0]))
+            self._wait_for(_member_key(membership, "checkpoint-committed", membership.workers[0]))
         raise UnrecoverableFailure(
             f"{error}. The survivors wrote a checkpoint of step {self.ledger.steps} to {path}: resume "
             f"with Trainer.fit(ckpt_path={str(path)!r}) on a new allocation"
@@ -512,3 +502,27 @@ def _dump(value: Any) -> bytes:
 
 def _load(data: bytes) -> Any:
     return torch.load(io.BytesIO(data), weights_only=False)
+
+
+def _member_key(membership: Membership, what: str, worker: tuple[int, int]) -> str:
+    return f"oobleck/recovery/gen{membership.generation}/{what}/{worker[0]}.{worker[1]}"
+
+
+def wait_for_members(
+    store: dist.Store,
+    membership: Membership,
+    worker: tuple[int, int],
+    what: str,
+    abort: threading.Event,
+    timeout: timedelta,
+) -> None:
+    """Publish that ``worker`` reached ``what`` and wait (bounded, abortable) until every member did."""
+    store.set(_member_key(membership, what, worker), b"1")
+    keys = [_member_key(membership, what, w) for w in membership.workers]
+    deadline = time.monotonic() + timeout.total_seconds()
+    while not store.check(keys):
+        if abort.is_set():
+            raise PeerFailure(f"another failure happened while the survivors waited for each other ({what})")
+        if time.monotonic() > deadline:
+            raise PeerFailure(f"not every survivor reached the {what} within {timeout}")
+        time.sleep(0.002)

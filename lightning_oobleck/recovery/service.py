@@ -10,7 +10,7 @@ import secrets
 from typing import TYPE_CHECKING
 
 from lightning_oobleck.recovery.coordinator import Coordinator
-from lightning_oobleck.recovery.protocol import ADDRESS_ENV, SECRET_ENV
+from lightning_oobleck.recovery.protocol import ADDRESS_ENV, SECRET_ENV, Worker
 
 if TYPE_CHECKING:
     from lightning_oobleck.lightning.launcher import Supervisor
@@ -30,6 +30,7 @@ class CoordinatorService:
         self.settle_s = settle_s
         self.agreement_timeout = agreement_timeout
         self.coordinator: Coordinator | None = None
+        self._devices_per_node = 1
 
     def start(self, supervisor: Supervisor) -> None:
         self.coordinator = Coordinator(
@@ -41,12 +42,18 @@ class CoordinatorService:
             kill_fenced=True,  # every worker runs on this machine
             secret=secrets.token_hex(16),
             allow_joins=False,
+            devices_per_node=supervisor.devices_per_node,
         ).start()
+        self._devices_per_node = supervisor.devices_per_node
         supervisor.worker_env[ADDRESS_ENV] = self.coordinator.address
         supervisor.worker_env[SECRET_ENV] = self.coordinator.secret
 
     def worker_exited(self, rank: int, exitcode: int) -> None:
-        """Nothing to do: the coordinator saw the worker's connection close when its process ended."""
+        """Tell the coordinator, which needs it for a worker that died before it registered."""
+        if self.coordinator is not None:
+            how = f"killed by signal {-exitcode}" if exitcode < 0 else f"exited with status {exitcode}"
+            worker = Worker(rank // self._devices_per_node, rank % self._devices_per_node)
+            self.coordinator.worker_exited(worker, f"its process ended ({how}) before it registered")
 
     def stop(self) -> None:
         if self.coordinator is not None:

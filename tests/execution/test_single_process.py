@@ -20,6 +20,7 @@ from lightning_oobleck.execution import (
     build_stage,
     profile_layers,
 )
+from lightning_oobleck.execution.process_groups import check_plan_size
 from lightning_oobleck.planning.plan import Plan
 from lightning_oobleck.planning.profile import ModelProfile
 
@@ -89,7 +90,7 @@ def test_model_that_is_not_a_sequence_of_layers_is_refused(groups: ProcessGroups
 def test_plan_for_another_world_size_is_refused_before_any_rendezvous(store: dist.Store) -> None:
     plan = plan_from_splits([[(0, 3), (3, 6)], [(0, 6)]], [2, 1], 2)
     with pytest.raises(ValueError, match="the plan has 3 workers but 2 processes were launched"):
-        ProcessGroups(plan, (0, 0), store, generation=0, world_size=2)
+        check_plan_size(plan, 2)
     with pytest.raises(ValueError, match=r"worker \(7, 0\) is not part of the plan"):
         ProcessGroups(plan, (7, 0), store, generation=0)
     assert not dist.is_initialized()

@@ -15,6 +15,7 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 
 from lightning_oobleck.recovery import Coordinator, RegistrationRefused, WorkerAgent
+from lightning_oobleck.recovery.coordinator import holds_connection
 from lightning_oobleck.recovery.protocol import SECRET_ENV, encode, parse_address
 
 SECRET = "a1b2c3"
@@ -59,6 +60,40 @@ def test_a_client_without_the_secret_is_refused_and_changes_nothing() -> None:
                 agent.close()
             victim.kill()
             victim.wait()
+
+
+@pytest.mark.timeout(60)
+def test_a_fenced_client_is_killed_only_if_its_process_holds_the_connection() -> None:
+    """The pid a client reports is checked against the kernel's socket table before it is killed: a client
+    that names another process (here, with no secret configured) is fenced, and that process lives."""
+    victim = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    try:
+        with Coordinator(1, "127.0.0.1", kill_fenced=True, heartbeat_timeout=1.0) as c:
+            fields = {"node": 0, "device": 0, "pid": victim.pid, "host": socket.gethostname()}
+            answer = _stray(c.address, 2.5 * c.heartbeat_timeout, **fields)
+            assert answer["op"] == "welcome"
+            assert [d.worker for d in c.deaths] == [(0, 0)]
+            assert victim.poll() is None, "the coordinator killed a process the fenced client named"
+    finally:
+        victim.kill()
+        victim.wait()
+
+
+def test_holds_connection_finds_the_process_at_the_other_end() -> None:
+    with socket.create_server(("127.0.0.1", 0)) as server:
+        client = socket.create_connection(server.getsockname())
+        conn, _ = server.accept()
+        other = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+        try:
+            assert holds_connection(os.getpid(), conn)
+            assert not holds_connection(other.pid, conn)
+            client.close()
+            time.sleep(0.1)
+            assert not holds_connection(os.getpid(), conn)
+        finally:
+            conn.close()
+            other.kill()
+            other.wait()
 
 
 @pytest.mark.timeout(60)

@@ -218,9 +218,17 @@ def loop_reference(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
 
 
 def fit_loop(
-    out: Path, faults: LoopFaults, num_nodes: int, ckpt_path: str | None = None, **kw: Any
+    out: Path,
+    faults: LoopFaults,
+    num_nodes: int,
+    ckpt_path: str | None = None,
+    module: L.LightningModule | None = None,
+    trainer_kw: dict[str, Any] | None = None,
+    **kw: Any,
 ) -> L.Trainer:
-    if "layout" not in kw:
+    """Train with the planner's f = 2 plan of ``planned(num_nodes)``, unless ``kw`` fixes the layout or
+    sets ``fault_tolerance`` (then the strategy plans by itself)."""
+    if "layout" not in kw and "fault_tolerance" not in kw:
         plan_path = out / "plan.json"
         plan_path.write_text(planned(num_nodes).to_json())
         kw = {"plan_path": str(plan_path), "fault_tolerance": 2, **kw}
@@ -234,13 +242,20 @@ def fit_loop(
     )
     train = DataLoader(float32_data(SAMPLES, 1), batch_size=GLOBAL_BATCH, shuffle=True, num_workers=2)
     val = DataLoader(float32_data(VAL_SAMPLES, 2), batch_size=GLOBAL_BATCH, num_workers=2)
-    trainer = L.Trainer(devices=num_nodes, strategy=strategy, **loop_kwargs(out, [faults]))
-    trainer.fit(RealisticNet(), train, val, ckpt_path=ckpt_path)
+    trainer = L.Trainer(
+        devices=num_nodes, strategy=strategy, **{**loop_kwargs(out, [faults]), **(trainer_kw or {})}
+    )
+    trainer.fit(module or RealisticNet(), train, val, ckpt_path=ckpt_path)
     return trainer
 
 
 def check_loop(
-    trainer: L.Trainer, out: Path, reference: dict[str, Any], dead: set[int], num_nodes: int
+    trainer: L.Trainer,
+    out: Path,
+    reference: dict[str, Any],
+    dead: set[int],
+    num_nodes: int,
+    lost_before_start: set[int] = frozenset(),
 ) -> None:
     assert trainer.state.finished and trainer.global_step == STEPS
     assert {int(p.stem.split("-")[1].split(".")[0]) for p in out.glob("fault-*.json")} == dead
@@ -276,7 +291,7 @@ def check_loop(
     assert all((p / "index.json").exists() and (p / "lightning.pt").exists() for p in saved)
     assert not list((out / "ckpt").glob(".*"))
     _, recoveries = read_events(out / "logs" / "version_0" / EVENTS_FILE)
-    assert sorted(w[0] for e in recoveries for w in e.removed) == sorted(dead)
+    assert sorted(w[0] for e in recoveries for w in e.removed) == sorted(dead - lost_before_start)
 
 
 def resume_check(out: Path, reference: dict[str, Any]) -> None:

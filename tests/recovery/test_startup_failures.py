@@ -1,0 +1,108 @@
+"""Workers lost before the first step, in the loop users run (that of ``test_realistic_loop``).
+
+A worker SIGKILLs itself at a moment of the start: while its model is built, before it registered with the
+coordinator (the launcher's supervisor reports its end); on the worker that makes the plan, while it
+profiles the layers for the planner; in ``LightningModule.setup``; in the validation sanity check. The
+survivors must start without it, on the plan reconfigured for them, and train to the weights, learning
+rates, logged losses and checkpoints of single-process training, every sample fed once; or, when they
+cannot train without it, stop within seconds with an error that names it. Never wait out
+``plan_timeout_s``.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from test_realistic_loop import LoopFaults, RealisticNet, check_loop, fit_loop
+from test_realistic_loop import loop_reference as loop_reference  # the fixture
+
+from lightning_oobleck.lightning.environment import NODE_VAR
+from lightning_oobleck.lightning.launcher import LaunchError
+
+REGISTER, PLANNING, SETUP, SANITY = "register", "planning", "setup", "sanity"
+
+
+class StartupNet(RealisticNet):
+    """:class:`RealisticNet` whose node ``n`` SIGKILLs itself at ``kill_at[n]`` (a moment of the start)."""
+
+    def __init__(self, out: Path, kill_at: dict[int, str]) -> None:
+        super().__init__()
+        self.out, self.kill_at = out, kill_at
+        self.example_input_array = torch.zeros(1, 4)
+        self.layer_builds = 0
+
+    def _kill_if(self, moment: str) -> None:
+        node = os.environ.get(NODE_VAR)  # set in the workers only
+        if node is not None and self.kill_at.get(int(node)) == moment:
+            (self.out / f"fault-{node}.0.json").write_text(f'["{moment}"]')
+            os.kill(os.getpid(), signal.SIGKILL)
+
+    def configure_layers(self) -> list[torch.nn.Module]:
+        # Built first to count the layers (before registering), then to profile them (the planner only).
+        self.layer_builds += 1
+        self._kill_if(REGISTER if self.layer_builds == 1 else PLANNING)
+        return super().configure_layers()
+
+    def setup(self, stage: str) -> None:
+        self._kill_if(SETUP)
+
+    def validation_step(self, *args: Any, **kwargs: Any) -> Any:
+        if self.trainer.sanity_checking:
+            self._kill_if(SANITY)
+        return super().validation_step(*args, **kwargs)
+
+
+@pytest.mark.timeout(300)
+def test_lost_before_registering_and_in_the_sanity_check(
+    tmp_path: Path, loop_reference: dict[str, Any]
+) -> None:
+    """6 nodes, 3 pipelines of 2 (f = 2): node 5 dies while its model is built, before it registered, so
+    generation 0 starts without it at once; node 2 dies in the sanity check, recovered like any unit."""
+    started = time.monotonic()
+    trainer = fit_loop(
+        tmp_path,
+        LoopFaults(tmp_path, {}),
+        6,
+        module=StartupNet(tmp_path, {5: REGISTER, 2: SANITY}),
+        trainer_kw={"num_sanity_val_steps": 1},
+    )
+    check_loop(trainer, tmp_path, loop_reference, dead={2, 5}, num_nodes=6, lost_before_start={5})
+    assert time.monotonic() - started < 200
+
+
+@pytest.mark.timeout(300)
+def test_the_planner_lost_while_it_plans_and_a_worker_lost_in_setup(
+    tmp_path: Path, loop_reference: dict[str, Any]
+) -> None:
+    """5 nodes, the automatic plan (f = 1): node 0, which makes the plan, dies while it profiles the layers;
+    the lowest survivor makes it instead. Node 3 dies in ``LightningModule.setup``."""
+    trainer = fit_loop(
+        tmp_path,
+        LoopFaults(tmp_path, {}),
+        5,
+        module=StartupNet(tmp_path, {0: PLANNING, 3: SETUP}),
+        fault_tolerance=1,
+    )
+    check_loop(trainer, tmp_path, loop_reference, dead={0, 3}, num_nodes=5, lost_before_start={0})
+
+
+@pytest.mark.timeout(120)
+def test_a_start_the_survivors_cannot_train_without_ends_at_once_naming_the_lost_node(tmp_path: Path) -> None:
+    """One pipeline of 3 nodes (f = 0): node 1 dies before registering; no pipeline fits on the others."""
+    started = time.monotonic()
+    with pytest.raises(LaunchError, match=r"node\(s\) \[1\] were lost before training started"):
+        fit_loop(
+            tmp_path,
+            LoopFaults(tmp_path, {}),
+            3,
+            module=StartupNet(tmp_path, {1: REGISTER}),
+            layout=[[0, 2, 4, 6]],
+            fault_tolerance=0,
+        )
+    assert time.monotonic() - started < 60
