@@ -7,10 +7,16 @@ stays false) nor be waited on with a short timeout without poisoning the whole g
 :class:`threading.Event` in short slices, checking an ``abort`` event set by recovery's heartbeat
 thread. Once a wait is aborted or timed out the waiter is *broken*: its thread may stay blocked in gloo
 until the groups are destroyed, and every later wait raises :class:`PeerFailure` at once.
+
+When ``abort`` comes from a failure detector (the recovery coordinator), a wait that runs long is not a
+failure: every peer still sends heartbeats, so one is slow (a long callback on rank 0, a slow upload).
+The waiter then logs a warning every ``slow_after`` and goes on waiting, up to ``timeout`` (the hang
+limit, for a peer whose main thread is deadlocked while its heartbeats go on).
 """
 
 from __future__ import annotations
 
+import logging
 import queue
 import threading
 import time
@@ -22,6 +28,8 @@ from torch.distributed import Work
 
 from lightning_oobleck.execution.errors import PeerFailure, is_peer_lost
 from lightning_oobleck.execution.exit_guard import outlive
+
+log = logging.getLogger(__name__)
 
 
 class _Request:
@@ -46,11 +54,13 @@ class CommWaiter:
     """Waits for works on behalf of the caller; the caller's wait is bounded and abortable.
 
     ``timeout``: the longest a single :meth:`wait` may take; ``poll_s``: how often the caller checks
-    the abort event (the abort latency).
+    the abort event (the abort latency); ``slow_after``: with a failure detector setting ``abort``, how
+    long a wait runs before each warning that a live peer is slow (``None``: no failure detector).
     """
 
-    def __init__(self, timeout: timedelta, poll_s: float = 0.01) -> None:
+    def __init__(self, timeout: timedelta, poll_s: float = 0.01, slow_after: timedelta | None = None) -> None:
         self.timeout_s = timeout.total_seconds()
+        self.slow_after_s = slow_after.total_seconds() if slow_after is not None else None
         self.poll_s = poll_s
         self.broken: str | None = None
         self._requests: queue.SimpleQueue[_Request | None] = queue.SimpleQueue()
@@ -86,12 +96,25 @@ class CommWaiter:
             return
         request = _Request(works)
         self._requests.put(request)
-        deadline = time.monotonic() + self.timeout_s
+        started = time.monotonic()
+        warn_at = started + self.slow_after_s if self.slow_after_s is not None else None
         while not request.done.wait(self.poll_s):
             if abort.is_set():
                 self._break("aborted")
-            if time.monotonic() > deadline:
-                self._break(f"no progress from peers within {self.timeout_s:.1f} s")
+            now = time.monotonic()
+            if now - started > self.timeout_s:
+                alive = " although every peer sends heartbeats (a deadlock?)" if warn_at is not None else ""
+                self._break(f"no progress from peers within {self.timeout_s:.1f} s{alive}")
+            if warn_at is not None and now > warn_at:
+                assert self.slow_after_s is not None
+                warn_at += self.slow_after_s
+                log.warning(
+                    "waited %.0f s for peers that are all alive: a slow peer is waited for, not failed "
+                    "(collective_timeout_s=%g; hang_timeout_s=%g ends this wait)",
+                    now - started,
+                    self.slow_after_s,
+                    self.timeout_s,
+                )
         if request.error is not None:
             self._reraise(request.error)
 

@@ -33,7 +33,10 @@ def backend_for(device: torch.device) -> str:
 
 
 class ProcessGroups:
-    """Default group plus per-owner-set gradient groups of one plan and generation."""
+    """Default group plus per-owner-set gradient groups of one plan and generation.
+
+    ``timeout`` bounds every wait (and is the process groups' own timeout); ``slow_after``: with a failure
+    detector, waits on live peers warn after it and go on (see :class:`CommWaiter`)."""
 
     def __init__(
         self,
@@ -43,6 +46,7 @@ class ProcessGroups:
         generation: int,
         backend: str = "gloo",
         timeout: timedelta = timedelta(seconds=60),
+        slow_after: timedelta | None = None,
     ) -> None:
         workers = plan.workers
         if worker not in workers:
@@ -76,7 +80,8 @@ class ProcessGroups:
             group = dist.new_group(list(ranks), timeout=timeout)
             if self.rank in ranks:
                 self._grad_groups[ranks] = group
-        self.waiter = CommWaiter(timeout)
+        self.slow_after = slow_after
+        self.waiter = CommWaiter(timeout, slow_after=slow_after)
         self._destroyed = False
 
     def _owner_rank_sets(self) -> list[tuple[int, ...]]:
@@ -162,12 +167,18 @@ def check_plan_size(plan: Plan, world_size: int) -> Plan:
 
 
 def join_generation(
-    plan: Plan, worker: Worker, store: dist.Store, generation: int, backend: str, timeout: timedelta
+    plan: Plan,
+    worker: Worker,
+    store: dist.Store,
+    generation: int,
+    backend: str,
+    timeout: timedelta,
+    slow_after: timedelta | None = None,
 ) -> ProcessGroups:
     """:class:`ProcessGroups` of a generation whose members may fail while they connect: a peer lost then
     raises :class:`PeerFailure` (recovery moves on to the next generation) and leaves no default group."""
     try:
-        return ProcessGroups(plan, worker, store, generation, backend, timeout)
+        return ProcessGroups(plan, worker, store, generation, backend, timeout, slow_after)
     except RuntimeError as e:  # gloo reports a peer lost while connecting as a plain RuntimeError
         if dist.is_initialized():
             dist.destroy_process_group()

@@ -37,11 +37,18 @@ class OobleckConfig:
     """Seeds the sample order (initial weights come from the module's ``init_seed``)."""
     backend: str | None = None
     """torch.distributed backend; ``None`` picks gloo on CPU and NCCL on GPU."""
-    collective_timeout_s: float = 60.0
-    """Timeout of every collective and point-to-point transfer."""
     heartbeat_timeout_s: float = 5.0
-    """A worker silent for this long is declared dead and fenced (it sends heartbeats 4 times as often).
-    Must exceed the longest time a worker's Python thread can be starved (e.g. a long GIL-holding call)."""
+    """Failure detection: a worker silent for this long is declared dead and fenced (it sends heartbeats 4
+    times as often). Must exceed the longest time a worker's Python thread can be starved (e.g. a long
+    GIL-holding call). The first of the timeouts: heartbeat < collective <= hang."""
+    collective_timeout_s: float = 60.0
+    """Slow is not dead: a collective or transfer still waiting after this long on peers that all send
+    heartbeats logs a warning and goes on waiting (a dead peer is found by its heartbeats, not by this).
+    Without the recovery coordinator (a bare ``torch.distributed`` setup) the wait ends with an error."""
+    hang_timeout_s: float = 1800.0
+    """The last resort: a wait on live peers that makes no progress for this long (a deadlock in user code)
+    ends the run with an error; also how long a recovery waits for a live member to reach its agreement
+    barrier before declaring it dead."""
     plan_timeout_s: float = 300.0
     """How long workers wait for rank 0 to publish the plan (profiling and planning included)."""
     start_method: str = "forkserver"
@@ -70,6 +77,12 @@ class OobleckConfig:
             raise ValueError(
                 f"microbatch_size={b} does not divide global_batch_size={big_b}: pick a divisor, "
                 f"e.g. microbatch_size={_largest_divisor_at_most(big_b, b)}"
+            )
+        if not 0 < self.heartbeat_timeout_s < self.collective_timeout_s <= self.hang_timeout_s:
+            raise ValueError(
+                f"the timeouts must rise: 0 < heartbeat_timeout_s ({self.heartbeat_timeout_s:g}) < "
+                f"collective_timeout_s ({self.collective_timeout_s:g}) <= "
+                f"hang_timeout_s ({self.hang_timeout_s:g})"
             )
         if self.fault_tolerance < 0:
             raise ValueError(f"fault_tolerance must be >= 0, got {self.fault_tolerance}")

@@ -67,7 +67,7 @@ from lightning_oobleck.lightning.precision import with_global_norm_clipping
 from lightning_oobleck.lightning.units import FitUnits, share_logger_versions
 from lightning_oobleck.planning.plan import Plan
 from lightning_oobleck.recovery.agent import WorkerAgent
-from lightning_oobleck.recovery.protocol import ADDRESS_ENV
+from lightning_oobleck.recovery.protocol import ADDRESS_ENV, Timeouts
 from lightning_oobleck.recovery.service import CoordinatorService
 from lightning_oobleck.recovery.startup import publish_plan, read_plan, start
 
@@ -213,23 +213,28 @@ class OobleckStrategy(ParallelStrategy, PipelineExecutor):
             return check_plan_size(plan or self._planner_plan(module, num_workers), num_workers)
 
         backend = self.config.backend or backend_for(self.root_device)
-        timeout = timedelta(seconds=self.config.collective_timeout_s)
+        cfg = self.config
         if os.environ.get(ADDRESS_ENV):  # a coordinator runs: workers lost before the first step are survived
-            self._agent = WorkerAgent(environment.worker, connect_timeout=self.config.plan_timeout_s).start()
+            timeouts = Timeouts(cfg.heartbeat_timeout_s, cfg.hang_timeout_s)
+            self._agent = WorkerAgent(
+                environment.worker, connect_timeout=cfg.plan_timeout_s, timeouts=timeouts
+            ).start()
             _, _, self._groups = start(
                 self._agent,
                 store,
                 make_plan,
-                self.config.plan_timeout_s,
+                cfg.plan_timeout_s,
                 backend=backend,
-                group_timeout=timeout,
+                group_timeout=timedelta(seconds=cfg.hang_timeout_s),
+                slow_after=timedelta(seconds=cfg.collective_timeout_s),
             )
         else:
             plan = (
                 publish_plan(store, make_plan)
                 if environment.global_rank() == 0
-                else read_plan(store, self.config.plan_timeout_s)
+                else read_plan(store, cfg.plan_timeout_s)
             )
+            timeout = timedelta(seconds=cfg.collective_timeout_s)
             self._groups = ProcessGroups(plan, environment.worker, store, 0, backend, timeout)
         environment.set_global_rank(self._groups.rank)
         environment.set_world_size(self._groups.world_size)

@@ -104,7 +104,7 @@ class FitUnits:
             dtype=next(engine.module.parameters()).dtype,
             backend=config.backend or backend_for(strategy.root_device),
             group_timeout=engine.groups.timeout,
-            agreement_timeout=max(30.0, engine.groups.timeout.total_seconds()),
+            agreement_timeout=config.hang_timeout_s,
             checkpoint_dir=Path(trainer.default_root_dir) / "oobleck-survivors",
         )
         # The log directory is agreed by a broadcast: a unit, recovered like the others.

@@ -42,6 +42,7 @@ from lightning_oobleck.recovery.protocol import (
     SECRET_ENV,
     LineReader,
     Membership,
+    Timeouts,
     Worker,
     encode,
     parse_address,
@@ -91,6 +92,7 @@ class WorkerAgent:
         *,
         connect_timeout: float = 30.0,
         secret: str | None = None,
+        timeouts: Timeouts | None = None,
     ) -> None:
         address = address or os.environ.get(ADDRESS_ENV)
         if not address:
@@ -103,6 +105,9 @@ class WorkerAgent:
         self._secret = secret if secret is not None else os.environ.get(SECRET_ENV)
         self.worker = Worker(*worker)
         self.connect_timeout = connect_timeout
+        self.timeouts = timeouts
+        """The failure detector's timeouts this worker's configuration asks for (``None``: the
+        coordinator's); every worker of a job must ask for the same."""
         self.abort = threading.Event()
         """Set when the current generation must stop communicating (a failure or a new generation)."""
         self.aborted_at: float | None = None
@@ -151,6 +156,7 @@ class WorkerAgent:
                 pid=os.getpid(),
                 host=socket.gethostname(),
                 **({"secret": self._secret} if self._secret is not None else {}),
+                **(self.timeouts._asdict() if self.timeouts is not None else {}),
             )
             pending = self._await_welcome(deadline=time.monotonic() + self.connect_timeout)
         except OSError as e:

@@ -76,7 +76,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from lightning_oobleck.recovery.protocol import LineReader, Membership, Worker, encode
+from lightning_oobleck.recovery.protocol import LineReader, Membership, Timeouts, Worker, encode
 
 log = logging.getLogger(__name__)
 
@@ -172,6 +172,7 @@ class Coordinator:
         self._finished: set[Worker] = set()
         self._dead_nodes: dict[int, str] = {}
         self._lost_before_start: set[Worker] = set()
+        self._timeouts_from: Worker | None = None
         self._exits: list[tuple[Worker, str]] = []
         """Process ends reported by :meth:`worker_exited`, for the service thread."""
         self._current: Membership | None = None
@@ -368,6 +369,9 @@ class Coordinator:
                 "workers (training goes on without it)",
             )
             return
+        if (refusal := self._adopt_timeouts(worker, msg)) is not None:
+            self._refuse(conn, refusal)
+            return
         if worker.node in self._dead_nodes:
             self._send(
                 conn,
@@ -399,6 +403,24 @@ class Coordinator:
             self._maybe_start(time.time())
         else:
             self._schedule_change()
+
+    def _adopt_timeouts(self, worker: Worker, msg: dict[str, Any]) -> str | None:
+        """Take the first registration's timeouts as the job's; the reason to refuse one that differs."""
+        if "heartbeat_timeout" not in msg:
+            return None
+        wanted = Timeouts(float(msg["heartbeat_timeout"]), float(msg["agreement_timeout"]))
+        if self._timeouts_from is None:
+            self._timeouts_from = worker
+            self.heartbeat_timeout, self.agreement_timeout = wanted
+            self.heartbeat_interval = wanted.heartbeat_timeout / 4
+            return None
+        current = Timeouts(self.heartbeat_timeout, self.agreement_timeout)
+        if wanted == current:
+            return None
+        return (
+            f"worker {tuple(worker)} is configured with {wanted} but worker {tuple(self._timeouts_from)} "
+            f"with {current}: give every worker of the job the same strategy configuration"
+        )
 
     def _maybe_start(self, now: float) -> None:
         """Announce generation 0 once every expected worker registered or was lost."""

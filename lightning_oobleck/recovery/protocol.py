@@ -6,8 +6,10 @@ is one JSON object on one line (UTF-8, terminated by ``\\n``) with an ``"op"`` f
 
 Worker -> coordinator::
 
-    register  {node, device, pid, host, secret}
-                                          first message; answered by welcome, refused or fenced
+    register  {node, device, pid, host, secret, [heartbeat_timeout, agreement_timeout]}
+                                          first message; answered by welcome, refused or fenced. The
+                                          first registration's timeouts become the job's; a later one
+                                          asking for others is refused
     heartbeat {}                          every ``heartbeat_interval``; answered by ack
     suspect   {node, device, reason}      hint from a communication error: "this peer looks dead"
     ready     {generation}                agreement barrier: "I stopped generation g-1, I am ready for g"
@@ -54,6 +56,15 @@ class Worker(NamedTuple):
 
     node: int
     device: int
+
+
+class Timeouts(NamedTuple):
+    """The failure detector's timeouts, in seconds, as the workers' configuration sets them."""
+
+    heartbeat_timeout: float
+    """Silence after which a worker is declared dead."""
+    agreement_timeout: float
+    """How long a live member may take to reach a generation's agreement barrier."""
 
 
 @dataclass(frozen=True)

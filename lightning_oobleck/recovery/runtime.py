@@ -386,7 +386,10 @@ class Recovery:
         groups.all_reduce(torch.ones(1, device=self.engine.device), self.agent.abort)
 
     def _new_groups(self, plan: Plan, generation: int) -> ProcessGroups:
-        return join_generation(plan, self.worker, self.store, generation, self.backend, self.group_timeout)
+        slow_after = self.engine.groups.slow_after
+        return join_generation(
+            plan, self.worker, self.store, generation, self.backend, self.group_timeout, slow_after
+        )
 
     def _drop_groups(self) -> None:
         """Leave the failed generation(s) without waiting for operations stuck on silent peers."""

@@ -86,6 +86,7 @@ def start(
     *,
     backend: str,
     group_timeout: timedelta,
+    slow_after: timedelta | None = None,
 ) -> tuple[Membership, Plan, ProcessGroups]:
     """Agree on the first generation, its plan and its process groups (module docstring)."""
     worker = agent.worker
@@ -102,7 +103,8 @@ def start(
             if launched is not None and not agent.abort.is_set():
                 plan = _without_lost(launched, membership)
                 wait_for_members(store, membership, worker, "start", agent.abort, group_timeout)
-                groups = join_generation(plan, worker, store, membership.generation, backend, group_timeout)
+                generation = membership.generation
+                groups = join_generation(plan, worker, store, generation, backend, group_timeout, slow_after)
                 return membership, plan, groups
         except PeerFailure as e:
             log.warning("starting generation %d failed: %s", membership.generation, e)

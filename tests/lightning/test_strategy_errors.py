@@ -52,6 +52,10 @@ def trainer(devices: int, strategy: OobleckStrategy, **kwargs: object) -> L.Trai
         ),
         ({"start_method": "thread"}, "start_method must be one of forkserver, spawn, fork"),
         ({"microbatches": [2, 2]}, "only meaningful with layout"),
+        (
+            {"heartbeat_timeout_s": 60, "collective_timeout_s": 30},
+            r"the timeouts must rise: 0 < heartbeat_timeout_s \(60\) < collective_timeout_s \(30\)",
+        ),
     ],
 )
 def test_bad_options_are_refused_when_the_strategy_is_built(options: dict, message: str) -> None:

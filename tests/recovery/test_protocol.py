@@ -29,7 +29,7 @@ from lightning_oobleck.recovery import (
     Worker,
     WorkerAgent,
 )
-from lightning_oobleck.recovery.protocol import SECRET_ENV, LineReader, encode, parse_address
+from lightning_oobleck.recovery.protocol import SECRET_ENV, LineReader, Timeouts, encode, parse_address
 from lightning_oobleck.recovery.service import CoordinatorService
 
 W = Worker
@@ -272,3 +272,21 @@ def test_the_coordinator_entry_point_serves_until_the_workers_finished(tmp_path:
             assert "generation 0 agreed" in proc.stderr.read()  # type: ignore[union-attr]
         finally:
             proc.kill()
+
+
+@pytest.mark.timeout(30)
+def test_the_first_registration_sets_the_jobs_timeouts_and_a_different_one_is_refused() -> None:
+    """Under SLURM the coordinator starts before any worker's configuration is known: the workers bring
+    their ``heartbeat_timeout_s`` and ``hang_timeout_s``; one configured differently is refused by name."""
+    with Coordinator(3, "127.0.0.1", heartbeat_timeout=2.0) as c:
+        first = WorkerAgent((0, 0), c.address, timeouts=Timeouts(3.0, 90.0)).start()
+        try:
+            assert (first.heartbeat_timeout, c.heartbeat_timeout, c.agreement_timeout) == (3.0, 3.0, 90.0)
+            with pytest.raises(
+                RegistrationRefused, match=r"worker \(1, 0\) is configured with .*same strategy"
+            ):
+                WorkerAgent((1, 0), c.address, timeouts=Timeouts(9.0, 90.0), connect_timeout=5).start()
+            same = WorkerAgent((1, 0), c.address, timeouts=Timeouts(3.0, 90.0)).start()
+            same.close()
+        finally:
+            first.close()

@@ -233,12 +233,14 @@ def fit_loop(
         plan_path.write_text(planned(num_nodes).to_json())
         kw = {"plan_path": str(plan_path), "fault_tolerance": 2, **kw}
     strategy = OobleckStrategy(
-        global_batch_size=GLOBAL_BATCH,
-        microbatch_size=MICRO,
-        seed=SEED,
-        collective_timeout_s=20,
-        heartbeat_timeout_s=4.0,
-        **kw,
+        **{
+            "global_batch_size": GLOBAL_BATCH,
+            "microbatch_size": MICRO,
+            "seed": SEED,
+            "collective_timeout_s": 20,
+            "heartbeat_timeout_s": 4.0,
+            **kw,
+        }
     )
     train = DataLoader(float32_data(SAMPLES, 1), batch_size=GLOBAL_BATCH, shuffle=True, num_workers=2)
     val = DataLoader(float32_data(VAL_SAMPLES, 2), batch_size=GLOBAL_BATCH, num_workers=2)
