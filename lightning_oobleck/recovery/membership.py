@@ -1,0 +1,534 @@
+"""The membership protocol as a pure state machine: who is alive and which generation is current.
+
+No sockets, threads or clocks here. :class:`MembershipMachine` takes events with the (monotonic) time they
+happen — a connection opened, a message received, a connection ended, a process end reported by the
+launcher, time passing — and returns *effects*: send a message on a connection, close it, kill the process
+behind it. The :class:`~lightning_oobleck.recovery.coordinator.Coordinator` runs it behind a socket loop;
+tests drive it directly with any interleaving of events (``tests/recovery/test_membership_machine.py``).
+Wire messages are those of :mod:`~lightning_oobleck.recovery.protocol`.
+
+The job is in one *phase* at a time (:class:`Phase`); each event does this in each phase (a dash: cannot
+happen or is ignored; "death" is a connection that ended, ``heartbeat_timeout`` of silence, two heartbeat
+intervals of silence after a peer's ``suspect`` hint, a process end reported before it registered, or a
+member not ready within ``agreement_timeout``):
+
+==============  ======================  ======================  ====================  =====================
+event           STARTING                AGREEING(g)             RUNNING(g)            SETTLING
+==============  ======================  ======================  ====================  =====================
+register        pending; once every     joins off: refused;     joins off: refused;   joins off: refused;
+                worker registered or    else pending and a      else pending and a    else pending: in the
+                was lost: announce      change is scheduled     change is scheduled   coming generation
+                generation 0 to the     (SETTLING)              (SETTLING)
+                live ones (AGREEING)
+bad client:     refused; nothing        refused; nothing        refused; nothing      refused; nothing
+no secret, a    else changes (no        else changes            else changes          else changes
+taken (node,    state, no kill)
+device), not
+a register
+register        fenced: a dead node     fenced                  fenced                fenced
+from a dead     never comes back
+node
+death           its node fenced;        node fenced; ABORT      node fenced; ABORT    node fenced; folded
+                lost before the         to the members of       to the members of     into the coming
+                start: maybe            g; SETTLING             g; SETTLING           change
+                announce gen 0
+ready(g)        -                       recorded; all           stale: ignored        recorded; GO waits
+                                        members ready:                                for the next
+                                        GO(g), RUNNING                                announcement
+leave           -                       finished (counts        finished; no          finished
+                                        as ready)               generation change
+settle          -                       -                       -                     announce g+1: the
+timer                                                                                 live workers
+                                                                                      (AGREEING)
+agreement       -                       live members not        -                     -
+timer                                   ready are deaths
+==============  ======================  ======================  ====================  =====================
+
+A death takes the whole node out (the node is the failure domain): every process of that node is fenced,
+the ones that are alive are sent FENCED and, with ``kill_fenced`` on this host, killed. Deaths within
+``settle_s`` of the first are folded into one generation. Invariants (property-tested): one membership
+per generation; a worker whose heartbeats arrive is never fenced unless its node is out or it did not reach
+an agreement barrier within ``agreement_timeout``; GO(g) only once every member of g is ready; every live
+worker ends in the newest generation or was told why not (``fenced`` or ``refused``, with the reason).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+import hmac
+import logging
+from dataclasses import dataclass, field
+from typing import Any
+
+from lightning_oobleck.recovery.protocol import Membership, Timeouts, Worker
+
+log = logging.getLogger(__name__)
+
+
+class Phase(enum.Enum):
+    STARTING = "starting"
+    """Before generation 0: workers register."""
+    AGREEING = "agreeing"
+    """A generation was announced; its members answer READY."""
+    RUNNING = "running"
+    """The newest generation was agreed (GO sent)."""
+    SETTLING = "settling"
+    """A change (death, join) was seen: the next generation is announced when the settle window ends."""
+    DONE = "done"
+    """No worker is left."""
+
+
+@dataclass(frozen=True)
+class Send:
+    """Send message ``op`` with ``fields`` on connection ``conn``."""
+
+    conn: int
+    op: str
+    fields: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class Close:
+    """Close connection ``conn`` (after sending what was queued)."""
+
+    conn: int
+
+
+@dataclass(frozen=True)
+class Kill:
+    """Kill process ``pid``, which registered on connection ``conn`` from this host, if it holds that
+    connection (the socket layer checks: a pid a client reports is not trusted)."""
+
+    conn: int
+    pid: int
+
+
+Effect = Send | Close | Kill
+
+
+@dataclass(frozen=True)
+class Death:
+    """Why and when (wall clock) the coordinator declared a worker dead."""
+
+    worker: Worker
+    reason: str
+    at: float
+    generation: int
+    """The generation that was current when it was declared dead."""
+
+
+@dataclass(eq=False)
+class _Peer:
+    conn: int
+    deadline: float
+    worker: Worker | None = None
+    pid: int | None = None
+    host: str | None = None
+    last_heard: float = 0.0
+    suspicion: str | None = None
+    closed: bool = False
+    ended_by_peer: bool = False
+    """Its end closed or reset: the process is gone, so its pid may already belong to another one."""
+
+
+class MembershipMachine:
+    """The coordinator's logic (see the module docstring); every method returns the effects to apply.
+
+    ``now`` is a monotonic time in seconds; ``wall_offset`` turns it into the wall clock of the records
+    (``Death.at``, ``Membership.detected_at``/``agreed_at``). ``host`` is this machine's name: only
+    workers that registered from it can be killed.
+    """
+
+    def __init__(
+        self,
+        world_size: int,
+        *,
+        heartbeat_timeout: float = 2.0,
+        settle_s: float = 0.1,
+        agreement_timeout: float = 30.0,
+        secret: str | None = None,
+        allow_joins: bool = True,
+        devices_per_node: int = 1,
+        kill_fenced: bool = False,
+        host: str = "",
+        wall_offset: float = 0.0,
+    ) -> None:
+        if world_size < 1:
+            raise ValueError(f"world_size must be >= 1 (the number of worker processes), got {world_size}")
+        if heartbeat_timeout <= 0 or settle_s < 0 or agreement_timeout <= 0:
+            raise ValueError("heartbeat_timeout and agreement_timeout must be > 0 and settle_s >= 0")
+        self.world_size = world_size
+        self.heartbeat_timeout = heartbeat_timeout
+        self.heartbeat_interval = heartbeat_timeout / 4
+        self.settle_s = settle_s
+        self.agreement_timeout = agreement_timeout
+        self.secret = secret
+        self.allow_joins = allow_joins
+        self.devices_per_node = devices_per_node
+        self.kill_fenced = kill_fenced
+        self.host = host
+        self.wall_offset = wall_offset
+        self.registration_timeout = max(10.0, 5 * heartbeat_timeout)
+
+        self.history: list[Membership] = []
+        """Every announced generation, oldest first (``agreed_at`` set on those agreed)."""
+        self.deaths: list[Death] = []
+        self.finished: set[Worker] = set()
+        """Workers that left normally."""
+
+        self._peers: dict[int, _Peer] = {}
+        self._alive: dict[Worker, _Peer] = {}
+        self._dead_nodes: dict[int, str] = {}
+        self._lost_before_start: set[Worker] = set()
+        self._timeouts_from: Worker | None = None
+        self._current: Membership | None = None
+        self._ready: set[Worker] = set()
+        self._agree_deadline: float | None = None
+        self._change_at: float | None = None
+        self._change_detected_at: float | None = None
+        self._out: list[Effect] = []
+
+    # ------------------------------------------------------------------ state
+
+    @property
+    def phase(self) -> Phase:
+        if self.done:
+            return Phase.DONE
+        if self._current is None:
+            return Phase.STARTING
+        if self._change_at is not None:
+            return Phase.SETTLING
+        return Phase.RUNNING if self._current.agreed_at is not None else Phase.AGREEING
+
+    @property
+    def current(self) -> Membership | None:
+        """The newest announced generation."""
+        return self._current
+
+    @property
+    def done(self) -> bool:
+        """No worker is left (all finished or dead) once training started."""
+        return self._current is not None and not self._alive and self._change_at is None
+
+    @property
+    def alive(self) -> tuple[Worker, ...]:
+        """Registered workers not declared dead and not finished."""
+        return tuple(sorted(self._alive))
+
+    def next_deadline(self) -> float | None:
+        """When :meth:`tick` must run next (``None``: no timer is pending)."""
+        deadlines = [p.deadline for p in self._peers.values()]
+        deadlines += [t for t in (self._change_at, self._agree_deadline) if t is not None]
+        return min(deadlines, default=None)
+
+    # ------------------------------------------------------------------ events
+
+    def connected(self, conn: int, now: float) -> list[Effect]:
+        """A client connected; it must register within ``registration_timeout``."""
+        self._peers[conn] = _Peer(conn, deadline=now + self.registration_timeout)
+        return self._effects()
+
+    def received(self, conn: int, msg: dict[str, Any], now: float) -> list[Effect]:
+        """A message arrived on ``conn``."""
+        peer = self._peers.get(conn)
+        if peer is None or peer.closed:
+            return self._effects()
+        peer.last_heard = now
+        peer.suspicion = None
+        peer.deadline = now + (self.heartbeat_timeout if peer.worker else self.registration_timeout)
+        try:
+            self._handle(peer, msg, now)
+        except (AttributeError, KeyError, TypeError, ValueError) as e:
+            self._drop(peer, f"it broke the protocol ({type(e).__name__}: {e} in {msg})", now)
+        return self._effects()
+
+    def ended(self, conn: int, reason: str, now: float, by_peer: bool = True) -> list[Effect]:
+        """``conn`` ended: closed or reset by its process (``by_peer``: the process is gone), or unusable
+        (garbage on the wire, a failed send)."""
+        peer = self._peers.get(conn)
+        if peer is not None and not peer.closed:
+            peer.ended_by_peer = by_peer
+            self._drop(peer, reason, now)
+        return self._effects()
+
+    def exited(self, worker: Worker, reason: str, now: float) -> list[Effect]:
+        """The launcher saw ``worker``'s process end. A registered worker's end is seen on its connection,
+        after whatever it sent last (a LEAVE); this counts only for one that never registered, before the
+        start: its node is out, so that generation 0 does not wait for it."""
+        if self._current is None and worker not in self._alive and worker.node not in self._dead_nodes:
+            self._declare_dead(worker, reason, now, registered=False)
+        return self._effects()
+
+    def tick(self, now: float) -> list[Effect]:
+        """Fire every timer due at ``now``."""
+        for peer in list(self._peers.values()):
+            if peer.closed or peer.deadline > now:
+                continue
+            if peer.worker is None:
+                log.warning(
+                    "closing a connection: it did not register within %.0f s", self.registration_timeout
+                )
+                self._close(peer)
+            elif peer.suspicion is not None:
+                silent = now - peer.last_heard
+                reason = f"suspected by a peer ({peer.suspicion}), silent for {silent:.1f} s"
+                self._declare_dead(peer.worker, reason, now)
+            else:
+                self._declare_dead(
+                    peer.worker, f"sent nothing for {self.heartbeat_timeout:g} s (hung or stopped)", now
+                )
+        if self._change_at is not None and now >= self._change_at:
+            self._announce(now)
+        if self._agree_deadline is not None and now >= self._agree_deadline and self._current is not None:
+            self._agree_deadline = None
+            current = self._current
+            for w in [w for w in current.workers if w in self._alive and w not in self._ready]:
+                reason = (
+                    f"did not reach the agreement barrier of generation {current.generation} "
+                    f"within {self.agreement_timeout:g} s"
+                )
+                self._declare_dead(w, reason, now)
+        return self._effects()
+
+    # ------------------------------------------------------------------ messages
+
+    def _handle(self, peer: _Peer, msg: dict[str, Any], now: float) -> None:
+        op = msg.get("op")
+        if peer.worker is None:
+            if op == "register":
+                self._register(peer, msg, now)
+            else:
+                self._refuse(peer, f"the first message must be 'register', got {op!r}")
+        elif op == "heartbeat":
+            self._send(peer, "ack")
+        elif op == "ready":
+            self._ready_for(peer.worker, int(msg["generation"]), now)
+        elif op == "suspect":
+            self._suspect(Worker(int(msg["node"]), int(msg["device"])), str(msg.get("reason", "")), now)
+        elif op == "leave":
+            self._leave(peer, now)
+        else:
+            log.warning("ignoring unknown message %r from worker %s", op, tuple(peer.worker))
+
+    def _register(self, peer: _Peer, msg: dict[str, Any], now: float) -> None:
+        if self.secret is not None and not hmac.compare_digest(str(msg.get("secret", "")), self.secret):
+            self._refuse(peer, "the job's secret is missing or wrong: only this job's workers may register")
+            return
+        worker = Worker(int(msg["node"]), int(msg["device"]))
+        if self._current is not None and not self.allow_joins:
+            self._refuse(
+                peer,
+                f"worker {tuple(worker)} registered after the training started: this run does not admit new "
+                "workers (training goes on without it)",
+            )
+            return
+        if (refusal := self._adopt_timeouts(worker, msg)) is not None:
+            self._refuse(peer, refusal)
+            return
+        if worker.node in self._dead_nodes:
+            reason = (
+                f"node {worker.node} was declared dead ({self._dead_nodes[worker.node]}); a dead node never "
+                "rejoins: start a replacement with a new node id"
+            )
+            self._send(peer, "fenced", reason=reason)
+            self._close(peer)
+            return
+        if worker in self._alive:
+            holder = self._alive[worker]
+            self._refuse(
+                peer,
+                f"worker (node {worker.node}, device {worker.device}) is already registered by pid "
+                f"{holder.pid}: give each process its own (node, device)",
+            )
+            return
+        peer.worker, peer.pid, peer.host = worker, msg.get("pid"), msg.get("host")
+        peer.deadline = now + self.heartbeat_timeout
+        self._alive[worker] = peer
+        self._send(
+            peer,
+            "welcome",
+            heartbeat_interval=self.heartbeat_interval,
+            heartbeat_timeout=self.heartbeat_timeout,
+        )
+        log.info("worker %s registered (pid %s)", tuple(worker), peer.pid)
+        if self._current is None:
+            self._maybe_start(now)
+        else:
+            self._schedule_change(now)
+
+    def _adopt_timeouts(self, worker: Worker, msg: dict[str, Any]) -> str | None:
+        """Take the first registration's timeouts as the job's; the reason to refuse one that differs."""
+        if "heartbeat_timeout" not in msg:
+            return None
+        wanted = Timeouts(float(msg["heartbeat_timeout"]), float(msg["agreement_timeout"]))
+        if self._timeouts_from is None:
+            self._timeouts_from = worker
+            self.heartbeat_timeout, self.agreement_timeout = wanted
+            self.heartbeat_interval = wanted.heartbeat_timeout / 4
+            return None
+        current = Timeouts(self.heartbeat_timeout, self.agreement_timeout)
+        if wanted == current:
+            return None
+        return (
+            f"worker {tuple(worker)} is configured with {wanted} but worker {tuple(self._timeouts_from)} "
+            f"with {current}: give every worker of the job the same strategy configuration"
+        )
+
+    def _ready_for(self, worker: Worker, generation: int, now: float) -> None:
+        current = self._current
+        if current is None or generation != current.generation or worker not in current.workers:
+            return  # stale: that worker has been or is being told about a newer generation
+        self._ready.add(worker)
+        self._maybe_go(now)
+
+    def _suspect(self, worker: Worker, reason: str, now: float) -> None:
+        peer = self._alive.get(worker)
+        if peer is not None:
+            log.info("worker %s suspected by a peer (%s): checking its liveness", tuple(worker), reason)
+            peer.suspicion = reason or "communication error"
+            peer.deadline = min(peer.deadline, now + 2 * self.heartbeat_interval)
+
+    def _leave(self, peer: _Peer, now: float) -> None:
+        worker = peer.worker
+        assert worker is not None
+        log.info("worker %s finished", tuple(worker))
+        del self._alive[worker]
+        self.finished.add(worker)
+        self._close(peer)
+        self._maybe_go(now)
+
+    # ------------------------------------------------------------------ membership changes
+
+    def _maybe_start(self, now: float) -> None:
+        """Announce generation 0 once every expected worker registered or was lost."""
+        if self._alive and len(self._alive) + len(self._lost_before_start) >= self.world_size:
+            self._change_detected_at = now + self.wall_offset
+            self._announce(now)
+
+    def _declare_dead(self, worker: Worker, reason: str, now: float, registered: bool = True) -> None:
+        """Take ``worker``'s whole node out, fence its processes, abort the current generation.
+
+        ``registered=False``: ``worker`` died before it registered (only before generation 0)."""
+        if registered and worker not in self._alive:
+            return
+        node = worker.node
+        self._dead_nodes[node] = f"worker {tuple(worker)}: {reason}"
+        at = now + self.wall_offset
+        generation = self._current.generation if self._current else -1
+        victims = sorted(w for w in self._alive if w.node == node)
+        if not registered:
+            log.warning("worker %s declared dead before it registered: %s", tuple(worker), reason)
+            self.deaths.append(Death(worker, reason, at, generation))
+        for w in victims:
+            why = reason if w == worker else f"node {node} is out because worker {tuple(worker)}: {reason}"
+            log.warning("worker %s declared dead: %s", tuple(w), why)
+            peer = self._alive.pop(w)
+            self.deaths.append(Death(w, why, at, generation))
+            self._send(peer, "fenced", reason=why)
+            if (
+                self.kill_fenced
+                and peer.pid
+                and peer.host == self.host
+                and not (peer.closed or peer.ended_by_peer)
+            ):
+                self._out.append(Kill(peer.conn, int(peer.pid)))
+            self._close(peer)
+        if self._current is None:
+            self._lost_before_start |= {Worker(node, d) for d in range(self.devices_per_node)}
+            self._lost_before_start |= {worker, *victims}
+            self._maybe_start(now)
+            return
+        self._schedule_change(now)
+        if not set(victims) & set(self._current.workers):
+            return  # a worker that had not joined yet: nobody to abort
+        for member in self._current.workers:
+            if member in self._alive:
+                self._send(
+                    self._alive[member],
+                    "abort",
+                    generation=self._current.generation,
+                    suspects=[list(w) for w in victims],
+                    detected_at=self._change_detected_at,
+                )
+
+    def _schedule_change(self, now: float) -> None:
+        if self._change_at is None:
+            self._change_at = now + self.settle_s
+            self._change_detected_at = now + self.wall_offset
+
+    def _announce(self, now: float) -> None:
+        """Publish the next generation: every live registered worker, in rank order."""
+        self._change_at = None
+        workers = tuple(sorted(self._alive))
+        if self._current is None:  # the start: "removed" are the workers lost before it
+            removed, added = tuple(sorted(self._lost_before_start)), ()
+        else:
+            previous = set(self._current.workers)
+            removed = tuple(sorted(previous - set(workers)))
+            added = tuple(sorted(set(workers) - previous))
+            if not workers or not (removed or added):
+                self._maybe_go(now)
+                return
+        causes = [f"{tuple(d.worker)} {d.reason}" for d in self.deaths if d.worker in removed]
+        causes += [f"{tuple(w)} left (finished)" for w in removed if w in self.finished]
+        causes += [f"{tuple(w)} joined" for w in added] if self._current else ["start"]
+        generation = self._current.generation + 1 if self._current else 0
+        self._current = Membership(
+            generation, workers, removed, added, "; ".join(causes), detected_at=self._change_detected_at
+        )
+        self.history.append(self._current)
+        self._ready = set()
+        self._agree_deadline = now + self.agreement_timeout
+        log.info(
+            "generation %d announced: %s (%s)", generation, [tuple(w) for w in workers], self._current.cause
+        )
+        for w in workers:
+            self._send(self._alive[w], "announce", **self._current.to_message())
+
+    def _maybe_go(self, now: float) -> None:
+        current = self._current
+        if current is None or current.agreed_at is not None or self._change_at is not None:
+            return  # nothing to agree, or a newer generation is about to be announced
+        if not set(current.workers) <= self._ready | self.finished:
+            return
+        self._current = dataclasses.replace(current, agreed_at=now + self.wall_offset)
+        self.history[-1] = self._current
+        self._agree_deadline = None
+        log.info("generation %d agreed", current.generation)
+        for w in current.workers:
+            if w in self._alive:
+                self._send(
+                    self._alive[w],
+                    "go",
+                    generation=current.generation,
+                    workers=[list(m) for m in current.workers],
+                    agreed_at=self._current.agreed_at,
+                )
+
+    # ------------------------------------------------------------------ connections
+
+    def _refuse(self, peer: _Peer, reason: str) -> None:
+        log.warning("refusing a client: %s", reason)
+        self._send(peer, "refused", reason=reason)
+        self._close(peer)
+
+    def _drop(self, peer: _Peer, reason: str, now: float) -> None:
+        # Declared dead (and recorded) before its connection closes: whoever sees the close sees the death.
+        if peer.worker is not None and self._alive.get(peer.worker) is peer:
+            self._declare_dead(peer.worker, reason, now)
+        self._close(peer)
+
+    def _send(self, peer: _Peer, op: str, **fields: Any) -> None:
+        if not peer.closed:
+            self._out.append(Send(peer.conn, op, fields))
+
+    def _close(self, peer: _Peer) -> None:
+        if not peer.closed:
+            peer.closed = True
+            del self._peers[peer.conn]
+            self._out.append(Close(peer.conn))
+
+    def _effects(self) -> list[Effect]:
+        out, self._out = self._out, []
+        return out

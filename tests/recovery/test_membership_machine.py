@@ -1,0 +1,362 @@
+"""The membership protocol's state machine without sockets: the table of its docstring, event by event, and
+property tests over random interleavings of registrations, heartbeats, readies, kills, silences, launcher
+exit reports, suspect hints, leaves and stray clients.
+
+Invariants (after every event): one membership per generation, generations numbered 0, 1, 2, ...; GO(g)
+only once every member of g was ready or had left; a worker that keeps sending heartbeats and answers every
+announcement is never fenced unless a process of its node died. At the end, once every live worker answers
+and time passes: every live worker is a member of the newest generation and it is agreed, and every worker
+or client that is not was told why (``fenced`` or ``refused``, with a reason).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from lightning_oobleck.recovery.membership import Close, Effect, Kill, MembershipMachine, Phase, Send
+from lightning_oobleck.recovery.protocol import Worker
+
+SECRET = "s3cret"
+HEARTBEAT = 1.0
+SETTLE = 0.1
+AGREEMENT = 5.0
+
+
+@dataclass
+class Client:
+    """One connection as the machine sees it, and what the harness lets it do."""
+
+    conn: int
+    worker: Worker | None = None
+    responsive: bool = True
+    """Answers every announcement at once (else only when an action says so)."""
+    silent: bool = False
+    gone: bool = False
+    """Its process ended (killed, exited)."""
+    inbox: list[tuple[str, dict[str, Any]]] = field(default_factory=list)
+    closed: bool = False
+    readied: set[int] = field(default_factory=set)
+
+    def last(self, op: str) -> dict[str, Any] | None:
+        return next((f for o, f in reversed(self.inbox) if o == op), None)
+
+
+class Harness:
+    def __init__(self, nodes: int, devices: int, allow_joins: bool = True) -> None:
+        self.machine = MembershipMachine(
+            nodes * devices,
+            heartbeat_timeout=HEARTBEAT,
+            settle_s=SETTLE,
+            agreement_timeout=AGREEMENT,
+            secret=SECRET,
+            allow_joins=allow_joins,
+            devices_per_node=devices,
+            kill_fenced=True,
+            host="here",
+        )
+        self.now = 0.0
+        self.clients: dict[int, Client] = {}
+        self.workers = [Worker(n, d) for n in range(nodes) for d in range(devices)]
+        self.by_worker: dict[Worker, Client] = {}
+        self.announced: dict[int, tuple[Worker, ...]] = {}
+        self.killed: set[int] = set()
+        self.exited: set[Worker] = set()
+        self.strays: list[Client] = []
+
+    # ------------------------------------------------------------------ plumbing
+    def apply(self, effects: list[Effect]) -> None:
+        for effect in effects:
+            client = self.clients[effect.conn]
+            if isinstance(effect, Send):
+                assert not client.closed, f"{effect.op} sent on a closed connection"
+                client.inbox.append((effect.op, effect.fields))
+                self.check_send(client, effect)
+            elif isinstance(effect, Kill):
+                assert client.worker is not None and effect.pid == 1000 + effect.conn
+                self.killed.add(effect.conn)
+                client.gone = True
+            elif isinstance(effect, Close):
+                client.closed = True
+        for client in list(self.clients.values()):
+            self.respond(client)
+
+    def respond(self, client: Client) -> None:
+        """A responsive live worker answers its newest announcement at once."""
+        announce = client.last("announce")
+        if (
+            announce is not None
+            and client.responsive
+            and not (client.silent or client.gone or client.closed)
+            and announce["generation"] not in client.readied
+        ):
+            self.ready(client, announce["generation"])
+
+    def ready(self, client: Client, generation: int) -> None:
+        client.readied.add(generation)
+        self.apply(self.machine.received(client.conn, {"op": "ready", "generation": generation}, self.now))
+
+    def check_send(self, client: Client, effect: Send) -> None:
+        if effect.op == "announce":
+            g, workers = effect.fields["generation"], tuple(Worker(*w) for w in effect.fields["workers"])
+            assert self.announced.setdefault(g, workers) == workers, "two memberships for one generation"
+            assert client.worker in workers
+        elif effect.op == "go":
+            g = effect.fields["generation"]
+            members = self.announced[g]
+            for w in members:
+                c = self.by_worker[w]
+                assert g in c.readied or w in self.machine.finished, f"GO({g}) before {w} was ready"
+        elif effect.op == "fenced":
+            assert client.worker is not None
+            assert effect.fields["reason"]
+            node = client.worker.node
+            node_clients = [
+                c for c in self.by_worker.values() if c.worker is not None and c.worker.node == node
+            ]
+            explained = any(c.silent or c.gone or c.conn in self.killed for c in node_clients)
+            explained |= any(w.node == node for w in self.exited)
+            registered_dead_node = (
+                client.worker in self.by_worker and self.by_worker[client.worker] is not client
+            )
+            assert explained or registered_dead_node or not client.responsive, (
+                f"healthy, responsive worker {client.worker} fenced: {effect.fields['reason']}"
+            )
+
+    # ------------------------------------------------------------------ actions
+    def register(self, i: int, responsive: bool) -> None:
+        worker = self.workers[i]
+        if worker in self.by_worker or worker in self.exited:
+            return
+        conn = len(self.clients) + 1
+        self.clients[conn] = self.by_worker[worker] = Client(conn, worker, responsive)
+        self.apply(self.machine.connected(conn, self.now))
+        message = {"op": "register", "node": worker.node, "device": worker.device, "pid": 1000 + conn}
+        self.apply(self.machine.received(conn, {**message, "host": "here", "secret": SECRET}, self.now))
+
+    def live(self, client: Client) -> bool:
+        return not (client.silent or client.gone or client.closed)
+
+    def advance(self, seconds: float) -> None:
+        """Time passes in small steps; live workers heartbeat every quarter of the timeout."""
+        end = self.now + seconds
+        while self.now < end:
+            self.now = min(end, self.now + HEARTBEAT / 4)
+            for client in list(self.by_worker.values()):
+                if self.live(client):
+                    self.apply(self.machine.received(client.conn, {"op": "heartbeat"}, self.now))
+            self.apply(self.machine.tick(self.now))
+
+    def kill(self, i: int) -> None:
+        client = self.by_worker.get(self.workers[i])
+        if client is not None and not client.gone:
+            client.gone = True
+            self.apply(self.machine.ended(client.conn, "its connection closed", self.now))
+
+    def silence(self, i: int) -> None:
+        client = self.by_worker.get(self.workers[i])
+        if client is not None:
+            client.silent = True
+
+    def exit_unregistered(self, i: int) -> None:
+        worker = self.workers[i]
+        if worker not in self.by_worker and worker not in self.exited:
+            self.exited.add(worker)
+            self.apply(self.machine.exited(worker, "its process ended", self.now))
+
+    def answer(self, i: int) -> None:
+        client = self.by_worker.get(self.workers[i])
+        if client is not None and self.live(client) and (a := client.last("announce")) is not None:
+            self.ready(client, a["generation"])
+
+    def suspect(self, i: int, j: int) -> None:
+        client, target = self.by_worker.get(self.workers[i]), self.workers[j]
+        if client is not None and self.live(client):
+            msg = {"op": "suspect", "node": target.node, "device": target.device, "reason": "test"}
+            self.apply(self.machine.received(client.conn, msg, self.now))
+
+    def leave(self, i: int) -> None:
+        client = self.by_worker.get(self.workers[i])
+        if client is not None and self.live(client) and client.last("go") is not None:
+            self.apply(self.machine.received(client.conn, {"op": "leave"}, self.now))
+            client.gone = True
+
+    def stray(self, kind: int) -> None:
+        """A client that is not one of the job's workers: no secret (0), a wrong one (1), a taken
+        (node, device) with the secret (2), a first message that is not a registration (3)."""
+        message = [
+            {"op": "register", "node": 99, "device": 0, "pid": 1, "host": "here"},
+            {"op": "register", "node": 99, "device": 0, "pid": 1, "host": "here", "secret": "wrong"},
+            None,
+            {"op": "heartbeat"},
+        ][kind]
+        if message is None:
+            taken = next((w for w, c in self.by_worker.items() if self.live(c)), None)
+            if taken is None:
+                return
+            message = {
+                "op": "register",
+                "node": taken.node,
+                "device": taken.device,
+                "pid": 1,
+                "secret": SECRET,
+            }
+        conn = len(self.clients) + 1
+        client = self.clients[conn] = Client(conn)
+        self.strays.append(client)
+        self.apply(self.machine.connected(conn, self.now))
+        self.apply(self.machine.received(conn, message, self.now))
+
+    # ------------------------------------------------------------------ the end
+    def settle_everything(self) -> None:
+        for i, worker in enumerate(self.workers):
+            if worker not in self.by_worker:
+                self.exit_unregistered(i)
+        for client in self.by_worker.values():
+            client.responsive = True
+            self.respond(client)
+        self.advance(SETTLE + AGREEMENT + 2 * HEARTBEAT)
+
+    def check_end(self) -> None:
+        m = self.machine
+        live = sorted(w for w, c in self.by_worker.items() if self.live(c))
+        assert list(m.alive) == live
+        if live:
+            newest = m.history[-1]
+            assert list(newest.workers) == live and newest.agreed_at is not None
+            assert m.phase is Phase.RUNNING
+        for w, c in self.by_worker.items():
+            if not self.live(c) and c.conn not in self.killed and not c.gone:
+                assert c.last("fenced") is not None or c.last("refused") is not None, f"{w} not told why"
+        for c in self.strays:
+            assert (
+                c.closed and c.inbox and c.inbox[-1][0] in ("refused", "fenced") and c.inbox[-1][1]["reason"]
+            )
+        assert [g.generation for g in m.history] == list(range(len(m.history)))
+
+
+ACTIONS = st.one_of(
+    st.tuples(st.just("register"), st.integers(0, 5), st.booleans()),
+    st.tuples(st.just("advance"), st.floats(0.05, 1.5 * AGREEMENT)),
+    st.tuples(st.just("kill"), st.integers(0, 5)),
+    st.tuples(st.just("silence"), st.integers(0, 5)),
+    st.tuples(st.just("exit_unregistered"), st.integers(0, 5)),
+    st.tuples(st.just("answer"), st.integers(0, 5)),
+    st.tuples(st.just("suspect"), st.integers(0, 5), st.integers(0, 5)),
+    st.tuples(st.just("leave"), st.integers(0, 5)),
+    st.tuples(st.just("stray"), st.integers(0, 3)),
+)
+
+
+@settings(max_examples=300, deadline=None)
+@given(devices=st.sampled_from([1, 2, 3]), allow_joins=st.booleans(), actions=st.lists(ACTIONS, max_size=40))
+def test_random_interleavings_keep_the_invariants(devices: int, allow_joins: bool, actions: list) -> None:
+    h = Harness(6 // devices, devices, allow_joins)
+    for name, *args in actions:
+        getattr(h, name)(*args)
+    h.settle_everything()
+    h.check_end()
+
+
+# ---------------------------------------------------------------------- the table, row by row
+
+
+def started(nodes: int = 3, devices: int = 1) -> Harness:
+    h = Harness(nodes, devices)
+    for i in range(nodes * devices):
+        h.register(i, responsive=True)
+    assert h.machine.phase is Phase.RUNNING and h.machine.current.generation == 0
+    return h
+
+
+def test_starting_register_announces_generation_0_once_every_worker_registered_or_was_lost() -> None:
+    h = Harness(3, 1)
+    h.register(0, True)
+    h.register(1, True)
+    assert h.machine.phase is Phase.STARTING and not h.machine.history
+    h.exit_unregistered(2)
+    (g0,) = h.machine.history
+    assert g0.workers == (Worker(0, 0), Worker(1, 0)) and g0.removed == (Worker(2, 0),)
+    assert h.machine.phase is Phase.RUNNING
+
+
+def test_starting_death_of_a_registered_worker_takes_its_node_out_of_generation_0() -> None:
+    h = Harness(2, 2)
+    h.register(0, True)
+    h.register(1, True)
+    h.kill(0)  # node 0: both processes out
+    assert h.by_worker[Worker(0, 1)].last("fenced") is not None
+    h.register(2, True)
+    h.register(3, True)
+    (g0,) = h.machine.history
+    assert g0.workers == (Worker(1, 0), Worker(1, 1))
+    assert set(g0.removed) == {Worker(0, 0), Worker(0, 1)}
+
+
+def test_running_death_aborts_the_members_settles_and_announces_without_the_node() -> None:
+    h = started()
+    h.kill(1)
+    assert h.machine.phase is Phase.SETTLING
+    assert h.by_worker[Worker(0, 0)].last("abort")["suspects"] == [[1, 0]]
+    h.kill(2)  # within the settle window: the same change
+    h.advance(SETTLE)
+    assert [m.workers for m in h.machine.history] == [tuple(h.workers), (Worker(0, 0),)]
+    assert h.machine.phase is Phase.RUNNING
+
+
+def test_agreeing_ready_of_every_member_sends_go_and_a_stale_ready_is_ignored() -> None:
+    h = started()
+    slow = h.by_worker[Worker(2, 0)]
+    slow.responsive = False
+    h.kill(1)
+    h.advance(SETTLE)
+    assert h.machine.phase is Phase.AGREEING
+    h.ready(slow, 0)  # stale
+    assert h.machine.phase is Phase.AGREEING
+    h.answer(2)
+    assert h.machine.phase is Phase.RUNNING and slow.last("go")["generation"] == 1
+
+
+def test_agreeing_timer_declares_live_members_that_never_got_ready_dead() -> None:
+    h = started()
+    h.by_worker[Worker(2, 0)].responsive = False
+    h.kill(1)
+    h.advance(SETTLE + AGREEMENT + 0.5)
+    assert "agreement barrier" in h.by_worker[Worker(2, 0)].last("fenced")["reason"]
+    assert h.machine.current.workers == (Worker(0, 0),) and h.machine.phase is Phase.RUNNING
+
+
+@pytest.mark.parametrize("kind", [0, 1, 2, 3])
+def test_stray_clients_are_refused_and_change_nothing_in_every_phase(kind: int) -> None:
+    h = started()
+    before = (list(h.machine.history), list(h.machine.deaths), h.machine.phase)
+    h.stray(kind)
+    assert h.strays
+    assert h.strays[-1].inbox[-1][0] == "refused" and h.strays[-1].closed
+    assert (list(h.machine.history), list(h.machine.deaths), h.machine.phase) == before
+    assert not h.killed
+
+
+def test_a_silent_worker_is_declared_dead_a_suspected_one_sooner_and_a_live_suspect_is_spared() -> None:
+    h = started()
+    h.suspect(0, 2)  # alive: it heartbeats
+    h.advance(3 * HEARTBEAT)
+    assert not h.machine.deaths
+    h.silence(1)
+    h.suspect(0, 1)
+    h.advance(HEARTBEAT / 2 + 0.3)
+    (death,) = h.machine.deaths
+    assert death.worker == Worker(1, 0) and "suspected" in death.reason
+    assert h.killed == {h.by_worker[Worker(1, 0)].conn}  # a fenced process on this host is killed
+
+
+def test_leave_is_not_a_failure_and_the_machine_is_done_when_no_worker_is_left() -> None:
+    h = started()
+    for i in range(3):
+        h.leave(i)
+    assert not h.machine.deaths and len(h.machine.history) == 1
+    assert h.machine.phase is Phase.DONE
