@@ -3,7 +3,9 @@
 Both runs train the example GPT (``examples/gpt``, small settings) on the same CPU processes and lose
 the same rank to a real SIGKILL at the same step:
 
-* ``strategy="oobleck"``: the survivors recover inside the same ``Trainer.fit``; the time from the kill
+* ``strategy="oobleck"``, twice: on the planner's pipelines (a failure copies layers to the nodes that
+  take over) and on pure data parallelism (every worker holds the whole model: nothing to copy). The
+  survivors recover inside the same ``Trainer.fit``; the time from the kill
   to the end of the first step after it, and the recovery's phases, come from the run's event file;
 * ``strategy="ddp"`` with ``ModelCheckpoint(every_n_train_steps=1)``: Lightning's launcher stops every
   process, then a new ``python`` process resumes with ``ckpt_path=last.ckpt`` on the survivors (a fresh
@@ -39,12 +41,14 @@ from torch.utils.data import DataLoader
 
 from lightning_oobleck.lightning import OobleckStrategy
 from lightning_oobleck.lightning.units import EVENTS_FILE
-from lightning_oobleck.recovery import read_events
+from lightning_oobleck.recovery import PHASES, read_events
 
 EXAMPLES = Path(__file__).resolve().parents[1] / "examples" / "gpt"
 MODEL = {"vocab_size": 256, "seq_len": 32, "d_model": 64, "n_heads": 4, "n_blocks": 4}
 OPTIM = {"lr": 3e-3, "weight_decay": 0.01, "warmup_steps": 5}
 GLOBAL_BATCH, MICRO = 24, 2
+LAYOUTS = ("pipelines", "data-parallel")
+"""The oobleck runs: the planner's pipelines, and pure data parallelism."""
 
 sys.path.insert(0, str(EXAMPLES))
 from data import CharWindows, make_corpus  # noqa: E402 (examples/gpt)
@@ -56,6 +60,11 @@ class Clock(L.Callback):
 
     def __init__(self, out: Path, name: str, kill_rank: int, kill_at_step: int) -> None:
         self.out, self.name, self.kill_rank, self.kill_at_step = out, name, kill_rank, kill_at_step
+
+    def on_train_start(self, trainer: L.Trainer, *rest: Any) -> None:
+        if trainer.is_global_zero and isinstance(trainer.strategy, OobleckStrategy):
+            stages = [len(p.template.stages) for p in trainer.strategy.plan.pipelines]
+            (self.out / "stages").write_text(json.dumps(stages))
 
     def on_train_batch_start(self, trainer: L.Trainer, *rest: Any) -> None:
         if trainer.global_step == self.kill_at_step and launch_rank(trainer) == self.kill_rank:
@@ -77,18 +86,21 @@ def launch_rank(trainer: L.Trainer) -> int:
 
 
 def train(args: argparse.Namespace) -> None:
-    """One fit (run in its own process): ``--strategy`` oobleck or ddp, optional kill and resume."""
+    """One fit in its own process: ``--strategy`` one of ``LAYOUTS`` or ddp, optional kill and resume."""
     out = Path(args.out)
     clock = Clock(out, args.strategy, args.kill_rank, args.kill_at_step)
     text = make_corpus(200_000, 0)
     data = CharWindows(text, MODEL["seq_len"])
-    if args.strategy == "oobleck":
+    if args.strategy in LAYOUTS:
+        # "pipelines": the planner's layout when a device holds only part of the model; "data-parallel":
+        # when a device holds the whole model, the planner makes one-stage pipelines: nothing to copy.
+        memory = 3.5e6 if args.strategy == "pipelines" else 1e12
         strategy: Any = OobleckStrategy(
             global_batch_size=GLOBAL_BATCH,
             microbatch_size=MICRO,
             fault_tolerance=2,
             start_method="forkserver",
-            planner={"cluster": {"device_memory_bytes": 3.5e6}},
+            planner={"cluster": {"device_memory_bytes": memory}},
         )
         loader = DataLoader(data, batch_size=GLOBAL_BATCH, shuffle=True)
         callbacks: list[L.Callback] = [clock]
@@ -158,15 +170,20 @@ def main() -> None:
 
     n, k_step = args.devices, args.kill_at_step
     kill = (args.kill_rank, k_step)
+    oobleck: dict[str, dict[str, Any]] = {}
     with tempfile.TemporaryDirectory() as tmp:
-        oob, ddp = Path(tmp) / "oobleck", Path(tmp) / "ddp"
-        oob.mkdir(), ddp.mkdir()
-        run("oobleck", oob, n, args.steps, kill, None)
-        oob_killed = float((oob / "killed_at").read_text())
-        _, recoveries = read_events(oob / EVENTS_FILE)
-        oob_steps = steps_of(oob / "oobleck-steps.jsonl")
-        oob_first = min(s["time"] for s in oob_steps if s["time"] > oob_killed)
+        for layout in LAYOUTS:
+            out = Path(tmp) / layout
+            out.mkdir()
+            run(layout, out, n, args.steps, kill, None)
+            killed = float((out / "killed_at").read_text())
+            _, recoveries = read_events(out / EVENTS_FILE)
+            steps = steps_of(out / f"{layout}-steps.jsonl")
+            first = min(s["time"] for s in steps if s["time"] > killed)
+            oobleck[layout] = {"killed": killed, "event": recoveries[0], "steps": steps, "first": first}
 
+        ddp = Path(tmp) / "ddp"
+        ddp.mkdir()
         run("ddp", ddp, n, args.steps, kill, None)
         ddp_killed = float((ddp / "killed_at").read_text())
         ddp_down = time.time()  # the failed run's processes are gone when run() returns
@@ -174,38 +191,45 @@ def main() -> None:
         run("ddp", ddp, n - 1, args.steps, (-1, -1), str(ddp / "ckpt" / "last.ckpt"))
         ddp_steps = steps_of(ddp / "ddp-steps.jsonl")
         ddp_first = min(s["time"] for s in ddp_steps if s["time"] > ddp_down)
+    ddp_total = ddp_first - ddp_killed
 
-    event = recoveries[0]
-    phases = event.durations()
     console = Console()
     table = Table(
         title=f"Recovery after SIGKILL of rank {args.kill_rank} at step {k_step} ({n} CPU processes)"
     )
     table.add_column("", justify="left")
-    table.add_column("oobleck (in-process)", justify="right")
+    for layout in LAYOUTS:
+        table.add_column(f"oobleck, {layout}", justify="right")
     table.add_column("DDP restart from checkpoint", justify="right")
-    detect = (event.detected_at or oob_killed) - oob_killed
-    table.add_row("detection", f"{detect * 1e3:.0f} ms", "(launcher stops all)")
-    for phase in ("agreed", "replanned", "rebuilt", "state_copied"):
-        table.add_row(f"  {phase}", f"{phases.get(phase, 0.0) * 1e3:.0f} ms", "")
-    table.add_row("failed run torn down", "", f"{ddp_down - ddp_killed:.2f} s")
-    table.add_row(
-        "kill -> first step completed after it",
-        f"{oob_first - oob_killed:.2f} s",
-        f"{ddp_first - ddp_killed:.2f} s",
-    )
-    table.add_row("speed-up", f"{(ddp_first - ddp_killed) / (oob_first - oob_killed):.1f}x", "1x")
+    rows: dict[str, list[str]] = {"detection": [], **{f"  {p}": [] for p in PHASES[1:-1]}}
+    rows["failed run torn down"] = ["", "", f"{ddp_down - ddp_killed:.2f} s"]
+    rows.update({"kill -> first step completed after it": [], "speed-up": []})
+    for run_ in oobleck.values():
+        event, killed = run_["event"], run_["killed"]
+        phases = event.durations()
+        rows["detection"].append(f"{((event.detected_at or killed) - killed) * 1e3:.0f} ms")
+        for phase in PHASES[1:-1]:
+            rows[f"  {phase}"].append(f"{phases.get(phase, 0.0) * 1e3:.0f} ms")
+        total = run_["first"] - killed
+        rows["kill -> first step completed after it"].append(f"{total:.2f} s")
+        rows["speed-up"].append(f"{ddp_total / total:.1f}x")
+    rows["detection"].append("(launcher stops all)")
+    rows["kill -> first step completed after it"].append(f"{ddp_total:.2f} s")
+    rows["speed-up"].append("1x")
+    for name, cells in rows.items():
+        table.add_row(name, *(cells + [""] * (len(LAYOUTS) + 1 - len(cells))))
     console.print(table)
 
-    resumed = max(int(s["step"]) for s in oob_steps if s["time"] <= oob_first)
-    before = throughput(oob_steps, 2, k_step - 1)
-    after = throughput(oob_steps, resumed + 1, args.steps)
-    lost = len({w[0] for w in event.removed})
-    nodes = n  # one device per node
-    table = Table(title=f"Throughput after losing {lost} of {nodes} nodes (oobleck)")
-    for column in ("before (samples/s)", "after (samples/s)", "after / before", f"({nodes}-{lost})/{nodes}"):
+    table = Table(title=f"Throughput after losing 1 of {n} nodes (oobleck)")
+    table.add_column("layout")
+    for column in ("before (samples/s)", "after (samples/s)", "after / before", f"({n}-1)/{n}"):
         table.add_column(column, justify="right")
-    table.add_row(f"{before:.0f}", f"{after:.0f}", f"{after / before:.2f}", f"{(nodes - lost) / nodes:.2f}")
+    for layout, run_ in oobleck.items():
+        steps = run_["steps"]
+        resumed = max(int(s["step"]) for s in steps if s["time"] <= run_["first"])
+        before = throughput(steps, 2, k_step - 1)
+        after = throughput(steps, resumed + 1, args.steps)
+        table.add_row(layout, f"{before:.0f}", f"{after:.0f}", f"{after / before:.2f}", f"{(n - 1) / n:.2f}")
     console.print(table)
 
 

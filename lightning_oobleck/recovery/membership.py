@@ -45,11 +45,15 @@ timer                                   ready are deaths
 ==============  ======================  ======================  ====================  =====================
 
 A death takes the whole node out (the node is the failure domain): every process of that node is fenced,
-the ones that are alive are sent FENCED and, with ``kill_fenced`` on this host, killed. Deaths within
-``settle_s`` of the first are folded into one generation. Invariants (property-tested): one membership
-per generation; a worker whose heartbeats arrive is never fenced unless its node is out or it did not reach
-an agreement barrier within ``agreement_timeout``; GO(g) only once every member of g is ready; every live
-worker ends in the newest generation or was told why not (``fenced`` or ``refused``, with the reason).
+the ones that are alive are sent FENCED and, with ``kill_fenced`` on this host, killed. A death whose
+connection ended (the process is gone) is announced at once, with its whole node; after a silence, the
+next generation waits ``settle_s``, so that the silences of one partition fold into it. A death that comes
+while a generation is being agreed moves everyone to the next one (workers fold both into one recovery).
+
+Invariants (property-tested): one membership per generation; a worker whose heartbeats arrive is never
+fenced unless its node is out or it did not reach an agreement barrier within ``agreement_timeout``; GO(g)
+only once every member of g is ready; every live worker ends in the newest generation or was told why not
+(``fenced`` or ``refused``, with the reason).
 """
 
 from __future__ import annotations
@@ -249,7 +253,7 @@ class MembershipMachine:
         peer = self._peers.get(conn)
         if peer is not None and not peer.closed:
             peer.ended_by_peer = by_peer
-            self._drop(peer, reason, now)
+            self._drop(peer, reason, now, explained=by_peer)
         return self._effects()
 
     def exited(self, worker: Worker, reason: str, now: float) -> list[Effect]:
@@ -355,7 +359,7 @@ class MembershipMachine:
         if self._current is None:
             self._maybe_start(now)
         else:
-            self._schedule_change(now)
+            self._schedule_change(now, self.settle_s)
 
     def _adopt_timeouts(self, worker: Worker, msg: dict[str, Any]) -> str | None:
         """Take the first registration's timeouts as the job's; the reason to refuse one that differs."""
@@ -406,10 +410,15 @@ class MembershipMachine:
             self._change_detected_at = now + self.wall_offset
             self._announce(now)
 
-    def _declare_dead(self, worker: Worker, reason: str, now: float, registered: bool = True) -> None:
+    def _declare_dead(
+        self, worker: Worker, reason: str, now: float, registered: bool = True, explained: bool = False
+    ) -> None:
         """Take ``worker``'s whole node out, fence its processes, abort the current generation.
 
-        ``registered=False``: ``worker`` died before it registered (only before generation 0)."""
+        ``registered=False``: ``worker`` died before it registered (only before generation 0).
+        ``explained``: its process is known to be gone (its connection ended), so the change is announced
+        at once: its node's other processes are fenced with it, and no window is needed to see them. A
+        silence waits ``settle_s``, in which the silences of a partitioned switch or rack are folded."""
         if registered and worker not in self._alive:
             return
         node = worker.node
@@ -439,7 +448,7 @@ class MembershipMachine:
             self._lost_before_start |= {worker, *victims}
             self._maybe_start(now)
             return
-        self._schedule_change(now)
+        self._schedule_change(now, 0.0 if explained else self.settle_s)
         if not set(victims) & set(self._current.workers):
             return  # a worker that had not joined yet: nobody to abort
         for member in self._current.workers:
@@ -452,10 +461,10 @@ class MembershipMachine:
                     detected_at=self._change_detected_at,
                 )
 
-    def _schedule_change(self, now: float) -> None:
+    def _schedule_change(self, now: float, settle_s: float) -> None:
         if self._change_at is None:
-            self._change_at = now + self.settle_s
             self._change_detected_at = now + self.wall_offset
+        self._change_at = min(now + settle_s, self._change_at or float("inf"))
 
     def _announce(self, now: float) -> None:
         """Publish the next generation: every live registered worker, in rank order."""
@@ -464,12 +473,14 @@ class MembershipMachine:
         if self._current is None:  # the start: "removed" are the workers lost before it
             removed, added = tuple(sorted(self._lost_before_start)), ()
         else:
-            previous = set(self._current.workers)
-            removed = tuple(sorted(previous - set(workers)))
-            added = tuple(sorted(set(workers) - previous))
-            if not workers or not (removed or added):
+            if not workers or workers == self._current.workers:
                 self._maybe_go(now)
                 return
+            # Compared with what the workers run: the newest agreed generation (or everyone, at the start).
+            agreed = next((m for m in reversed(self.history) if m.agreed_at is not None), None)
+            previous = set(agreed.workers if agreed else self.history[0].workers + self.history[0].removed)
+            removed = tuple(sorted(previous - set(workers)))
+            added = tuple(sorted(set(workers) - previous))
         causes = [f"{tuple(d.worker)} {d.reason}" for d in self.deaths if d.worker in removed]
         causes += [f"{tuple(w)} left (finished)" for w in removed if w in self.finished]
         causes += [f"{tuple(w)} joined" for w in added] if self._current else ["start"]
@@ -513,10 +524,10 @@ class MembershipMachine:
         self._send(peer, "refused", reason=reason)
         self._close(peer)
 
-    def _drop(self, peer: _Peer, reason: str, now: float) -> None:
+    def _drop(self, peer: _Peer, reason: str, now: float, explained: bool = False) -> None:
         # Declared dead (and recorded) before its connection closes: whoever sees the close sees the death.
         if peer.worker is not None and self._alive.get(peer.worker) is peer:
-            self._declare_dead(peer.worker, reason, now)
+            self._declare_dead(peer.worker, reason, now, explained=explained)
         self._close(peer)
 
     def _send(self, peer: _Peer, op: str, **fields: Any) -> None:

@@ -72,7 +72,9 @@ class Membership:
     """The workers of one generation, in rank order, and how this generation came to be.
 
     ``workers`` is sorted, so a worker's rank in the generation is its index and the lowest surviving
-    ``(node, device)`` is rank 0. ``removed``/``added`` compare with the previous generation;
+    ``(node, device)`` is rank 0. ``removed``/``added`` compare with what the workers ran: the newest agreed
+    generation (a generation abandoned during its agreement is skipped; generation 0 compares with every
+    launched worker);
     ``detected_at`` is when the first failure (or join) that led to this generation was seen, and
     ``agreed_at`` when every member reached the agreement barrier (``None`` until then).
     """

@@ -146,10 +146,14 @@ class Harness:
         end = self.now + seconds
         while self.now < end:
             self.now = min(end, self.now + HEARTBEAT / 4)
-            for client in list(self.by_worker.values()):
-                if self.live(client):
-                    self.apply(self.machine.received(client.conn, {"op": "heartbeat"}, self.now))
-            self.apply(self.machine.tick(self.now))
+            self.beat()
+
+    def beat(self) -> None:
+        """Every live worker heartbeats now, then the timers due fire."""
+        for client in list(self.by_worker.values()):
+            if self.live(client):
+                self.apply(self.machine.received(client.conn, {"op": "heartbeat"}, self.now))
+        self.apply(self.machine.tick(self.now))
 
     def kill(self, i: int) -> None:
         client = self.by_worker.get(self.workers[i])
@@ -297,15 +301,31 @@ def test_starting_death_of_a_registered_worker_takes_its_node_out_of_generation_
     assert set(g0.removed) == {Worker(0, 0), Worker(0, 1)}
 
 
-def test_running_death_aborts_the_members_settles_and_announces_without_the_node() -> None:
+def test_running_death_aborts_the_members_and_a_closed_connection_is_announced_at_once() -> None:
     h = started()
     h.kill(1)
     assert h.machine.phase is Phase.SETTLING
     assert h.by_worker[Worker(0, 0)].last("abort")["suspects"] == [[1, 0]]
-    h.kill(2)  # within the settle window: the same change
-    h.advance(SETTLE)
+    h.kill(2)  # before the next timer check: the same change
+    h.apply(h.machine.tick(h.now))  # no settle window: the processes are known to be gone
     assert [m.workers for m in h.machine.history] == [tuple(h.workers), (Worker(0, 0),)]
     assert h.machine.phase is Phase.RUNNING
+
+
+def test_a_silence_waits_the_settle_window_and_a_closed_connection_ends_it() -> None:
+    h = started(4)
+    h.silence(1)
+    h.silence(2)
+    h.now += HEARTBEAT + 0.01
+    h.beat()  # both silent past the timeout: one change, after the settle window
+    assert h.machine.phase is Phase.SETTLING and len(h.machine.deaths) == 2
+    h.now += SETTLE / 2
+    h.beat()
+    assert h.machine.phase is Phase.SETTLING
+    h.kill(3)  # a closed connection ends the window at once, with everything seen so far
+    h.beat()
+    assert [m.workers for m in h.machine.history][-1] == (Worker(0, 0),)
+    assert len(h.machine.history) == 2
 
 
 def test_agreeing_ready_of_every_member_sends_go_and_a_stale_ready_is_ignored() -> None:
