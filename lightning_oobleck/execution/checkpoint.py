@@ -10,7 +10,9 @@ A checkpoint is a directory:
   (``is_writer_for_layer``);
 * ``index.json``: the shard that holds each layer;
 * ``lightning.pt``: Lightning's other checkpoint entries (global step, epoch, loops, LR schedulers,
-  callbacks, data position...), a normal ``torch.save`` file.
+  callbacks, data position...), a normal ``torch.save`` file;
+* ``profile.json``: the layer profile the run's plan was made from (when the planner made it), to plan a
+  resume the same way (``OobleckStrategy(profile_path=...)``).
 
 Because names are global, loading is layout-free: each worker reads exactly the layers it owns now (another
 node count, other stage boundaries, or one process holding everything) and their optimizer state.
@@ -50,6 +52,9 @@ from lightning_oobleck.planning.plan import Plan
 
 METADATA_FILE = "lightning.pt"
 INDEX_FILE = "index.json"
+PROFILE_FILE = "profile.json"
+PROFILE_KEY = "oobleck_profile"
+"""The metadata entry holding the layer profile, written out as ``PROFILE_FILE`` too."""
 SHARDS_DIR = "shards"
 _OPTIONS = StateDictOptions(flatten_optimizer_state_dict=True)
 _LAYER = re.compile(r"(?:^|\.)layers\.(\d+)\.")
@@ -121,6 +126,8 @@ def write_metadata(directory: str | Path, metadata: Mapping[str, Any], shards: M
     torch.save(dict(metadata), directory / METADATA_FILE)
     index = {"layers": {str(layer): shards[layer] for layer in sorted(shards)}}
     (directory / INDEX_FILE).write_text(json.dumps(index))
+    if (profile := metadata.get(PROFILE_KEY)) is not None:
+        (directory / PROFILE_FILE).write_text(json.dumps(profile, indent=1))
 
 
 def commit(partial: str | Path, path: str | Path) -> None:

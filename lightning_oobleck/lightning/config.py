@@ -57,7 +57,13 @@ class OobleckConfig:
     planner: dict[str, Any] = field(default_factory=dict)
     """Extra keyword arguments for the planner's ``make_plan``."""
     profile_path: str | None = None
-    """A saved layer profile (JSON) to plan from instead of profiling the model at start-up."""
+    """A saved layer profile (JSON) to plan from instead of profiling the model at start-up, e.g. the
+    ``profile.json`` of a checkpoint, so that a resume elsewhere plans as the run that wrote it."""
+    profile_cache_dir: str | None = None
+    """Where measured profiles are kept, keyed by the layers, input shape, dtype, device and torch version
+    (``None``: ``oobleck-profiles`` in the Trainer's ``default_root_dir``). A run finds the profile of an
+    earlier run of the same model there, so the automatic plan does not follow timing noise from run to
+    run; delete it to measure again."""
     plan_path: str | None = None
     """A saved plan (JSON, as printed by ``oobleck plan --json``) to run instead of planning."""
     layout: list[list[int]] | None = None

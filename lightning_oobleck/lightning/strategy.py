@@ -38,14 +38,20 @@ from lightning.pytorch.strategies import ParallelStrategy
 from lightning.pytorch.strategies.strategy import TBroadcast
 from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.data import _is_dataloader_shuffled
-from lightning.pytorch.utilities.rank_zero import rank_zero_only
+from lightning.pytorch.utilities.rank_zero import rank_zero_only, rank_zero_warn
 from torch import Tensor
 from torch.optim import Optimizer
 from torch.utils.data import DataLoader, DistributedSampler
 from typing_extensions import override
 
 from lightning_oobleck.execution import PipelineEngine, ProcessGroups
-from lightning_oobleck.execution.checkpoint import load_metadata, load_sharded_model, load_sharded_optimizers
+from lightning_oobleck.execution.checkpoint import (
+    PROFILE_FILE,
+    PROFILE_KEY,
+    load_metadata,
+    load_sharded_model,
+    load_sharded_optimizers,
+)
 from lightning_oobleck.execution.process_groups import backend_for, check_plan_size
 from lightning_oobleck.lightning.config import OobleckConfig, load_oobleck_config
 from lightning_oobleck.lightning.data import (
@@ -325,9 +331,12 @@ class OobleckStrategy(ParallelStrategy, PipelineExecutor):
             # will see (the precision converts float inputs, e.g. float32 data under "64-true").
             example = example[:1].expand(cfg.microbatch_size, *example.shape[1:]).clone()
             example = self.precision_plugin.convert_input(example)
+            cache = (
+                cfg.profile_cache_dir or Path(self.lightning_module.trainer.default_root_dir) / PROFILE_CACHE
+            )
             with self.precision_plugin.tensor_init_context():
                 profile = profile_layers(
-                    module.configure_layers, example, self.root_device, seed=module.init_seed
+                    module.configure_layers, example, self.root_device, seed=module.init_seed, cache_dir=cache
                 )
         options = dict(cfg.planner)
         cluster = ClusterSpec(**options.pop("cluster", {}))
@@ -517,12 +526,14 @@ class OobleckStrategy(ParallelStrategy, PipelineExecutor):
         atomically (a directory at ``filepath`` is always a complete checkpoint)."""
         self._require_units().save_checkpoint(checkpoint, filepath)
 
-    @staticmethod
-    def checkpoint_metadata(checkpoint: Mapping[str, Any]) -> dict[str, Any]:
-        """What a sharded checkpoint stores beside its shards: Lightning's ``checkpoint`` minus tensors."""
+    def checkpoint_metadata(self, checkpoint: Mapping[str, Any]) -> dict[str, Any]:
+        """What a sharded checkpoint stores beside its shards: Lightning's ``checkpoint`` minus tensors, and
+        the layer profile the plan was made from (also written as ``profile.json``)."""
         metadata = {k: v for k, v in checkpoint.items() if k not in ("state_dict", "optimizer_states")}
         # Lightning insists on the key when it restores; the optimizer state itself lives in the shards.
         metadata["optimizer_states"] = []
+        if (profile := self.plan.extra.get("profile")) is not None:
+            metadata[PROFILE_KEY] = profile
         return metadata
 
     @override
@@ -530,7 +541,19 @@ class OobleckStrategy(ParallelStrategy, PipelineExecutor):
         self, checkpoint_path: str | Path, weights_only: bool | None = None
     ) -> dict[str, Any]:
         self._checkpoint_path = Path(checkpoint_path)
-        return load_metadata(checkpoint_path)
+        metadata = load_metadata(checkpoint_path)
+        planned_from = self.plan.extra.get("profile")
+        if (
+            (saved := metadata.get(PROFILE_KEY)) is not None
+            and planned_from is not None
+            and saved != planned_from
+        ):
+            rank_zero_warn(
+                f"this run planned from another layer profile than the run that wrote {checkpoint_path}: the "
+                "layout may differ (the weights do not). To plan as that run, pass "
+                f"OobleckStrategy(profile_path='{Path(checkpoint_path) / PROFILE_FILE}')"
+            )
+        return metadata
 
     @override
     def load_model_state_dict(self, checkpoint: Mapping[str, Any], strict: bool = True) -> None:
@@ -636,6 +659,10 @@ class OobleckStrategy(ParallelStrategy, PipelineExecutor):
         strategy_registry.register(
             cls.strategy_name, cls, description="Oobleck: fault-tolerant heterogeneous pipelines"
         )
+
+
+PROFILE_CACHE = "oobleck-profiles"
+"""Default profile cache, in the Trainer's ``default_root_dir``."""
 
 
 def _as_dict(config: OobleckConfig | None) -> dict[str, Any]:
