@@ -13,6 +13,7 @@ overrides (``trainer.max_steps=100``, ``strategy.global_batch_size=64``), then t
 from __future__ import annotations
 
 import argparse
+import json
 import math
 import os
 import signal
@@ -160,6 +161,11 @@ def parse_args(argv: list[str] | None = None) -> tuple[argparse.Namespace, DictC
     parser.add_argument(
         "--save", type=Path, help="after training, save a sharded checkpoint to this directory (all ranks)"
     )
+    parser.add_argument(
+        "--validate",
+        type=Path,
+        help="after training, validate in the same processes and write the metrics (JSON) to this file",
+    )
     parser.add_argument("overrides", nargs="*", help="dot-list overrides, e.g. strategy.microbatch_size=2")
     args = parser.parse_args(argv)
     cfg = OmegaConf.merge(OmegaConf.load(args.config), OmegaConf.from_dotlist(args.overrides))
@@ -212,6 +218,10 @@ def main(argv: list[str] | None = None) -> None:
     trainer.fit(model, train_loader, val_loader)
     metrics = {k: f"{float(v):.4f}" for k, v in sorted(trainer.callback_metrics.items())}
     Console().print(f"done: {trainer.global_step} steps, {metrics}")
+    if args.validate is not None:  # a second entry point in the same processes (under SLURM: the same tasks)
+        (validated,) = trainer.validate(model, val_loader, verbose=False)
+        if trainer.is_global_zero:
+            args.validate.write_text(json.dumps(validated))
 
 
 if __name__ == "__main__":

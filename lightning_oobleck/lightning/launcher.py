@@ -68,6 +68,7 @@ from lightning_oobleck.lightning.results import (
     write_worker_error,
     write_worker_result,
 )
+from lightning_oobleck.recovery.agent import close_process_agent
 
 if TYPE_CHECKING:
     import lightning.pytorch as pl
@@ -414,8 +415,10 @@ def _worker_main(
     try:
         value = function(*args, **kwargs)
     except BaseException:
+        close_process_agent(finished=False)  # lost, not finished: the peers recover without it
         write_worker_error(spec.workdir, spec.rank, traceback.format_exc())
         raise
+    close_process_agent()  # the process ends here (without atexit handlers)
     write_worker_result(spec.workdir, spec.rank, value, trainer)
 
 

@@ -20,6 +20,7 @@ layout, committed atomically.
 
 from __future__ import annotations
 
+import itertools
 import os
 import signal
 from collections.abc import Callable, Mapping
@@ -72,7 +73,7 @@ from lightning_oobleck.lightning.plan_agreement import check_layout_size, config
 from lightning_oobleck.lightning.precision import with_global_norm_clipping
 from lightning_oobleck.lightning.units import FitUnits, share_logger_versions
 from lightning_oobleck.planning.plan import Plan
-from lightning_oobleck.recovery.agent import WorkerAgent
+from lightning_oobleck.recovery.agent import WorkerAgent, close_process_agent, process_agent
 from lightning_oobleck.recovery.protocol import ADDRESS_ENV, Timeouts
 from lightning_oobleck.recovery.service import CoordinatorService
 from lightning_oobleck.recovery.startup import publish_plan, read_plan, start
@@ -211,7 +212,10 @@ class OobleckStrategy(ParallelStrategy, PipelineExecutor):
         environment = self._environment()
         module = self._pipeline_module()
         self.config = self.config.with_batch(self._loader_batch_size(), environment.world_size())
-        store = self._store = _connect_store(environment, self.config)
+        # Every run of the process (fit, then validate...) has its own keys: plans, generations, recovery.
+        store = self._store = dist.PrefixStore(
+            f"oobleck/run{next(_RUNS)}/", _connect_store(environment, self.config)
+        )
         num_layers, num_workers = len(meta_layers(module)), environment.world_size()
 
         def make_plan() -> Plan:
@@ -222,9 +226,9 @@ class OobleckStrategy(ParallelStrategy, PipelineExecutor):
         cfg = self.config
         if os.environ.get(ADDRESS_ENV):  # a coordinator runs: workers lost before the first step are survived
             timeouts = Timeouts(cfg.heartbeat_timeout_s, cfg.hang_timeout_s)
-            self._agent = WorkerAgent(
+            self._agent = process_agent(
                 environment.worker, connect_timeout=cfg.plan_timeout_s, timeouts=timeouts
-            ).start()
+            )
             _, _, self._groups = start(
                 self._agent,
                 store,
@@ -380,13 +384,18 @@ class OobleckStrategy(ParallelStrategy, PipelineExecutor):
         units.flush_loggers()
 
     @override
+    def on_exception(self, exception: BaseException) -> None:
+        """This worker failed (a bug, out of memory): its peers must see it lost now, not a worker that left
+        normally, so its agent closes unfinished and they recover without it."""
+        close_process_agent(finished=False)
+        self._agent = None
+
+    @override
     def teardown(self) -> None:
         if self._groups is not None:
             self._groups.destroy()
             self._groups = None
-        if self._agent is not None:
-            self._agent.close(finished=True)
-            self._agent = None
+        self._agent = None  # the process keeps it for its next run (close_process_agent at its end)
         self._engine = None
         self._units = None
         super().teardown()
@@ -660,6 +669,9 @@ class OobleckStrategy(ParallelStrategy, PipelineExecutor):
             cls.strategy_name, cls, description="Oobleck: fault-tolerant heterogeneous pipelines"
         )
 
+
+_RUNS = itertools.count()
+"""Runs of this process: every worker runs the same entry points in the same order."""
 
 PROFILE_CACHE = "oobleck-profiles"
 """Default profile cache, in the Trainer's ``default_root_dir``."""

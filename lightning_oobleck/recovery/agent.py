@@ -25,6 +25,7 @@ start, :meth:`WorkerAgent.start` retries for ``connect_timeout`` and raises
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import dataclasses
 import os
@@ -403,3 +404,28 @@ class WorkerAgent:
         )
         sys.stderr.flush()
         os._exit(FENCED_EXIT_CODE)
+
+
+_process_agent: WorkerAgent | None = None
+
+
+def process_agent(worker: tuple[int, int], **kwargs: Any) -> WorkerAgent:
+    """This process's agent: started (``WorkerAgent(worker, **kwargs).start()``) on first use and kept for
+    every later run of the process (``fit``, then ``validate``...): a worker registers once, and its
+    membership carries over from one run to the next. It leaves (``close_process_agent``) when the process
+    ends normally; a process that fails closes it unfinished, so the peers see it lost at once."""
+    global _process_agent
+    if _process_agent is None or _process_agent.worker != Worker(*worker):
+        close_process_agent(finished=False)
+        _process_agent = WorkerAgent(worker, **kwargs).start()
+        atexit.register(close_process_agent)
+    return _process_agent
+
+
+def close_process_agent(finished: bool = True) -> None:
+    """Close this process's agent, if one runs: ``finished`` says LEAVE (ended normally); otherwise the
+    coordinator declares the worker dead as soon as its connection closes."""
+    global _process_agent
+    agent, _process_agent = _process_agent, None
+    if agent is not None:
+        agent.close(finished=finished)

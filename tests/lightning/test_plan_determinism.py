@@ -61,7 +61,10 @@ def fit(root: Path, out: Path, **strategy: Any) -> Plan:
 
 
 def layout(plan: Plan) -> list[tuple[tuple[tuple[int, int], ...], int]]:
-    return [(tuple((s.first_layer, s.end_layer) for s in p.template.stages), p.microbatches) for p in plan.pipelines]
+    return [
+        (tuple((s.first_layer, s.end_layer) for s in p.template.stages), p.microbatches)
+        for p in plan.pipelines
+    ]
 
 
 CKPT = Path("ckpt", "epoch=0-step=2.ckpt")

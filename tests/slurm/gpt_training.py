@@ -35,6 +35,8 @@ OVERRIDES = (
     "trainer.val_check_interval=1.0",
     "trainer.enable_progress_bar=false",
 )
+VAL_BATCHES = 2
+"""Validation batches of ``--validate`` (validation during training stays off: ``limit_val_batches=0``)."""
 EVENTS_FILE = "oobleck-events.jsonl"
 CHECKPOINT = "final"
 
@@ -97,6 +99,11 @@ def _train_reference(out: Path) -> None:
     )
     trainer.fit(model, DataLoader(windows, batch_sampler=sampler))
     torch.save(model.state_dict(), out / "reference.pt")
+    # What a run's `--validate` must report: the example's validation loader, VAL_BATCHES batches.
+    _, val_loader = gpt_train.loaders(cfg)
+    trainer.limit_val_batches = VAL_BATCHES
+    (validated,) = trainer.validate(model, val_loader, verbose=False)
+    (out / "reference-val.json").write_text(json.dumps(validated))
 
 
 if __name__ == "__main__":

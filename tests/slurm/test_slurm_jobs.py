@@ -15,11 +15,21 @@ import re
 import subprocess
 import sys
 import time
+from collections.abc import Sequence
 from pathlib import Path
 
 import pytest
 import torch
-from gpt_training import CHECKPOINT, CRASH_AT_STEP, EXAMPLE, STEPS, events, full_model, training_args
+from gpt_training import (
+    CHECKPOINT,
+    CRASH_AT_STEP,
+    EXAMPLE,
+    STEPS,
+    VAL_BATCHES,
+    events,
+    full_model,
+    training_args,
+)
 from slurm_cluster import REPO, Cluster, DownWatch
 
 from lightning_oobleck.cli import submit as submit_cli
@@ -35,15 +45,21 @@ pytestmark = pytest.mark.slurm
 
 
 @pytest.fixture(scope="module")
-def reference(tmp_path_factory: pytest.TempPathFactory) -> dict[str, torch.Tensor]:
-    """The weights of the failure-free single-process run."""
+def reference_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The failure-free single-process run: its weights (reference.pt) and validation (reference-val.json)."""
     out = tmp_path_factory.mktemp("reference")
     done = subprocess.run(
         [sys.executable, str(Path(__file__).with_name("gpt_training.py")), str(out)],
         capture_output=True, text=True, timeout=REFERENCE_TIMEOUT_S, check=False,
     )  # fmt: skip
     assert done.returncode == 0, done.stderr[-3000:]
-    return torch.load(out / "reference.pt")
+    return out
+
+
+@pytest.fixture(scope="module")
+def reference(reference_dir: Path) -> dict[str, torch.Tensor]:
+    """The weights of the failure-free single-process run."""
+    return torch.load(reference_dir / "reference.pt")
 
 
 def _assert_reference_weights(out: Path, reference: dict[str, torch.Tensor]) -> None:
@@ -64,8 +80,16 @@ def _cli(*argv: str) -> int:
     return args.func(args)
 
 
-def _write_config(path: Path, out: Path, logs: Path, **submit_keys: object) -> Path:
-    section = {"nodes": 3, "time": "00:05:00", "script": str(EXAMPLE), "args": training_args(out)}
+def _write_config(
+    path: Path,
+    out: Path,
+    logs: Path,
+    flags: Sequence[str] = (),
+    overrides: Sequence[str] = (),
+    **submit_keys: object,
+) -> Path:
+    args = [*flags, *training_args(out), *overrides]  # the overrides last: they win
+    section = {"nodes": 3, "time": "00:05:00", "script": str(EXAMPLE), "args": args}
     section.update({"log_dir": str(logs), **submit_keys})
     path.write_text(
         json.dumps({"submit": {k: v for k, v in section.items() if v is not None}})
@@ -164,13 +188,22 @@ def cluster_node_id(node: str) -> int:
 
 
 @pytest.mark.timeout(240)
-def test_oobleck_submit_trains_on_3_nodes_to_the_reference_weights(
-    cluster: Cluster, tmp_path: Path, reference: dict[str, torch.Tensor]
+def test_oobleck_submit_trains_on_3_nodes_to_the_reference_weights_then_validates(
+    cluster: Cluster, tmp_path: Path, reference: dict[str, torch.Tensor], reference_dir: Path
 ) -> None:
+    """A second entry point in the same tasks: ``fit``, then ``validate`` (its own plan and generations)."""
     out, logs = tmp_path / "out", tmp_path / "logs"
     out.mkdir()
     before = set(_all_job_ids())
-    config = _write_config(tmp_path / "job.yaml", out, logs, time=None)
+    validated = out / "validated.json"
+    config = _write_config(
+        tmp_path / "job.yaml",
+        out,
+        logs,
+        flags=[f"--validate={validated}"],
+        overrides=[f"trainer.limit_val_batches={VAL_BATCHES}"],
+        time=None,
+    )
     assert _cli(str(config), "submit.time=0:05:00", "submit.job_name=normal") == 0
     (job_id,) = set(_all_job_ids()) - before
     assert [r.state for r in job_records(job_id)] == ["COMPLETED"]
@@ -180,6 +213,8 @@ def test_oobleck_submit_trains_on_3_nodes_to_the_reference_weights(
     assert {e["generation"] for e in _assert_steps_once(out)} == {0}
     assert not [e for e in events(out) if e["kind"] == "recovery"]
     _assert_reference_weights(out, reference)
+    expected = json.loads((reference_dir / "reference-val.json").read_text())
+    assert json.loads(validated.read_text()) == pytest.approx(expected, rel=0, abs=1e-9)
 
 
 @pytest.mark.timeout(180)
