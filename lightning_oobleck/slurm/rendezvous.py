@@ -56,9 +56,11 @@ def serve(
     watch_pid: int | None,
     heartbeat_timeout_s: float,
     poll_s: float = 1.0,
+    bind: str | None = None,
 ) -> None:
     """Host the store on ``port`` (0: any free port) and a coordinator for ``world_size`` workers (any free
-    port), print the ``export`` line, serve until told to stop."""
+    port), print the ``export`` line, serve until told to stop. The coordinator listens on ``bind``
+    (default: the address ``host`` resolves to, the interface the tasks reach this host by)."""
     # Imported here, not at the top: ``--detach`` returns the address sooner without torch's import.
     from torch.distributed import TCPStore
 
@@ -74,6 +76,7 @@ def serve(
     # other hosts fence themselves.
     coordinator = Coordinator(
         world_size,
+        bind or interface_of(host),
         advertise_host=host,
         heartbeat_timeout=heartbeat_timeout_s,
         kill_fenced=True,
@@ -122,6 +125,16 @@ def detach(argv: Sequence[str], log_path: str, timeout_s: float = STARTUP_TIMEOU
     return line
 
 
+def interface_of(host: str) -> str:
+    """The address ``host`` resolves to here: the tasks resolve the same name to reach this host, so the
+    coordinator need not listen on any other interface. ``0.0.0.0`` (every interface) if it does not
+    resolve."""
+    try:
+        return socket.gethostbyname(host)
+    except OSError:
+        return "0.0.0.0"
+
+
 def _alive(pid: int) -> bool:
     try:
         os.kill(pid, 0)
@@ -145,6 +158,10 @@ def _parser() -> argparse.ArgumentParser:
     )
     parser.add_argument("--host", default=socket.gethostname(), help="name the tasks reach this host by")
     parser.add_argument("--port", type=int, default=0, help="port to listen on (default 0: any free port)")
+    parser.add_argument(
+        "--bind",
+        help="the coordinator's listening address (default: the address --host resolves to; 0.0.0.0: all)",
+    )
     parser.add_argument(
         "--world-size",
         type=int,
@@ -173,6 +190,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.detach:
         serve_argv = ["--host", args.host, "--port", str(args.port), "--world-size", str(args.world_size)]
         serve_argv += ["--heartbeat-timeout", str(args.heartbeat_timeout)]
+        if args.bind is not None:
+            serve_argv += ["--bind", args.bind]
         if args.watch_pid is not None:
             serve_argv += ["--watch-pid", str(args.watch_pid)]
         try:
@@ -182,7 +201,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             return 1
         return 0
     with contextlib.suppress(KeyboardInterrupt):
-        serve(args.host, args.port, args.world_size, args.watch_pid, args.heartbeat_timeout)
+        serve(args.host, args.port, args.world_size, args.watch_pid, args.heartbeat_timeout, bind=args.bind)
     return 0
 
 

@@ -46,12 +46,25 @@ def test_batch_script_lines_export_a_store_and_a_coordinator_that_end_with_the_s
     log = tmp_path / "rendezvous.log"
     start = f"{sys.executable} -m {MODULE} --detach --watch-pid $$ --world-size 1 --log {log}"
     script = f"exports=$({start}) || exit 1\neval \"$exports\"\n{sys.executable} -c '{TASK}'\n"
-    done = subprocess.run(["bash", "-c", script], capture_output=True, text=True, timeout=60, check=False)
+    script += "cat /proc/net/tcp > listeners.txt\n"
+    done = subprocess.run(
+        ["bash", "-c", script], capture_output=True, text=True, timeout=60, check=False, cwd=tmp_path
+    )
     assert done.returncode == 0, done.stderr
     task = json.loads(done.stdout.strip().splitlines()[-1])
+    listeners = {  # port -> address of the sockets listening (state 0A) while the shell ran
+        int(local.split(":")[1], 16): socket.inet_ntoa(bytes.fromhex(local.split(":")[0])[::-1])
+        for local, state in (
+            (f[1], f[3])
+            for f in (line.split() for line in (tmp_path / "listeners.txt").read_text().splitlines()[1:])
+        )
+        if state == "0A"
+    }
     assert task["value"] == "v"
     assert (task["generation"], task["members"]) == (0, [[0, 0]])
     assert "worker (0, 0) registered" in log.read_text()
+    # The coordinator listened only on the interface the host name resolves to, not on every interface.
+    assert listeners[int(task["coordinator"].rsplit(":", 1)[1])] == socket.gethostbyname(socket.gethostname())
     deadline = time.monotonic() + 10
     while any(_listening(task[k]) for k in ("store", "coordinator")) and time.monotonic() < deadline:
         time.sleep(0.2)
