@@ -17,7 +17,14 @@ from torch import Tensor
 from lightning_oobleck.execution.grad_sync import DEFAULT_BUCKET_CAP_BYTES, GradientSync
 from lightning_oobleck.execution.process_groups import ProcessGroups
 from lightning_oobleck.execution.schedule import LossFn, StageContext, run_eval, run_train
-from lightning_oobleck.execution.stage import LayerSource, StageModule, build_stage, resolve_layers
+from lightning_oobleck.execution.stage import (
+    LayerInit,
+    LayerSource,
+    StageModule,
+    build_stage,
+    reset_parameters,
+    resolve_layers,
+)
 from lightning_oobleck.planning.plan import Plan
 
 
@@ -78,6 +85,7 @@ class PipelineEngine:
         abort: threading.Event | None = None,
         dtype: torch.dtype | None = None,
         bucket_cap_bytes: int = DEFAULT_BUCKET_CAP_BYTES,
+        init: LayerInit = reset_parameters,
     ) -> None:
         self.num_layers = len(resolve_layers(layers_or_factory))
         check_plan(groups.plan, self.num_layers)
@@ -87,7 +95,7 @@ class PipelineEngine:
         self.bucket_cap_bytes = bucket_cap_bytes
         self._grad_sync: GradientSync | None = None
         role = groups.plan.role(*groups.worker)
-        self.module: StageModule = build_stage(layers_or_factory, role.layers, device, seed, dtype)
+        self.module: StageModule = build_stage(layers_or_factory, role.layers, device, seed, dtype, init)
         self.reconfigure(groups, self.module)
 
     def reconfigure(self, groups: ProcessGroups, module: StageModule) -> None:

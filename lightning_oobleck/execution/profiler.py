@@ -23,7 +23,13 @@ from torch import Tensor, nn
 
 from lightning_oobleck.execution.memory import SavedTensorMeter
 from lightning_oobleck.execution.schedule import LossFn
-from lightning_oobleck.execution.stage import LayerSource, build_reference_model, resolve_layers
+from lightning_oobleck.execution.stage import (
+    LayerInit,
+    LayerSource,
+    build_reference_model,
+    reset_parameters,
+    resolve_layers,
+)
 from lightning_oobleck.planning.profile import LayerProfile, ModelProfile
 
 T = TypeVar("T")
@@ -40,6 +46,7 @@ def profile_layers(
     seed: int = 0,
     loss_fn: LossFn | None = None,
     example_target: Tensor | None = None,
+    init: LayerInit = reset_parameters,
 ) -> ModelProfile:
     """Profile every layer for the micro-batch ``example_input`` (``[b, ...]``, the first layer's input).
 
@@ -54,7 +61,7 @@ def profile_layers(
     cached = Path(cache_dir) / f"profile-{key[:20]}.json" if cache_dir is not None else None
     if cached is not None and cached.exists():
         return ModelProfile.load(cached)
-    model = build_reference_model(layers_or_factory, device, seed, dtype)
+    model = build_reference_model(layers_or_factory, device, seed, dtype, init)
     x = example_input.to(device)
     layers = []
     last = model.layer_indices[-1]

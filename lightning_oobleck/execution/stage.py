@@ -2,9 +2,13 @@
 
 The model is an ordered sequence of layers (``nn.Module`` taking one tensor, returning one tensor), or
 a factory returning one; a factory is called on the meta device, so no rank materialises layers it does
-not own. An owned layer is moved to the device and initialised by calling ``reset_parameters()`` on
-each of its submodules under a seed derived from ``(seed, layer index)``: every layout, and the
-single-process reference (:func:`build_reference_model`), gets identical weights for layer ``i``.
+not own. An owned layer is moved to the device and initialised by a :data:`LayerInit` under a seed derived
+from ``(seed, layer index)``: every layout, and the single-process reference (:func:`build_reference_model`),
+gets identical weights for layer ``i``. The default, :func:`reset_parameters`, calls ``reset_parameters()``
+on the outermost submodules that define it (a module that defines it initialises its whole subtree, the way
+it wants: its children are not reset after it); a model with its own initialisation (Hugging Face's
+``_init_weights``, ``nn.init.normal_(std=0.02)``) passes its own, e.g. ``lambda layer, i:
+layer.apply(model._init_weights)``.
 """
 
 from __future__ import annotations
@@ -18,6 +22,22 @@ from torch import Tensor, nn
 
 LayerSource = Sequence[nn.Module] | Callable[[], Sequence[nn.Module]]
 """The model: its layers in order, or a factory returning them (called on the meta device)."""
+
+LayerInit = Callable[[nn.Module, int], None]
+"""Initialises every parameter (and floating buffer) of layer ``index`` in place, from the global RNG (which
+is seeded per layer around the call)."""
+
+
+def reset_parameters(layer: nn.Module, index: int) -> None:
+    """The default :data:`LayerInit`: ``reset_parameters()`` of the outermost submodules that define it."""
+    pending = [layer]
+    while pending:
+        module = pending.pop()
+        reset = getattr(module, "reset_parameters", None)
+        if callable(reset):
+            reset()
+        else:
+            pending.extend(reversed(list(module.children())))
 
 
 class StageModule(nn.Module):
@@ -91,25 +111,30 @@ def build_stage(
     device: torch.device,
     seed: int = 0,
     dtype: torch.dtype | None = None,
+    init: LayerInit = reset_parameters,
 ) -> StageModule:
-    """Materialise and initialise only ``layers`` of the model on ``device``."""
+    """Materialise and initialise (``init``, seeded per layer) only ``layers`` of the model on ``device``."""
     all_layers = resolve_layers(source)
     wanted = list(layers)
     missing = [i for i in wanted if not 0 <= i < len(all_layers)]
     if missing:
         raise ValueError(f"layers {missing} do not exist: the model has {len(all_layers)} layers")
-    return StageModule({i: _materialise(all_layers[i], i, device, seed, dtype) for i in wanted})
+    return StageModule({i: _materialise(all_layers[i], i, device, seed, dtype, init) for i in wanted})
 
 
 def build_reference_model(
-    source: LayerSource, device: torch.device, seed: int = 0, dtype: torch.dtype | None = None
+    source: LayerSource,
+    device: torch.device,
+    seed: int = 0,
+    dtype: torch.dtype | None = None,
+    init: LayerInit = reset_parameters,
 ) -> StageModule:
     """The whole model in one process, with exactly the weights any layout gives each layer."""
-    return build_stage(source, range(len(resolve_layers(source))), device, seed, dtype)
+    return build_stage(source, range(len(resolve_layers(source))), device, seed, dtype, init)
 
 
 def _materialise(
-    layer: nn.Module, index: int, device: torch.device, seed: int, dtype: torch.dtype | None
+    layer: nn.Module, index: int, device: torch.device, seed: int, dtype: torch.dtype | None, init: LayerInit
 ) -> nn.Module:
     on_meta = any(t.is_meta for t in chain(layer.parameters(), layer.buffers()))
     if on_meta:
@@ -124,7 +149,7 @@ def _materialise(
         layer = layer.to(device)
     if dtype is not None:
         layer = layer.to(dtype)
-    # Poison every value reset_parameters() must write, so a value nobody initialises is detected.
+    # Poison every value the initialisation must write, so a value nobody initialises is detected.
     checked = list(layer.named_parameters()) + (list(layer.named_buffers()) if on_meta else [])
     checked = [(n, t) for n, t in checked if t.is_floating_point()]
     with torch.no_grad():
@@ -132,14 +157,14 @@ def _materialise(
             t.fill_(float("nan"))
         with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
             torch.manual_seed(layer_seed(seed, index))
-            for module in layer.modules():
-                reset = getattr(module, "reset_parameters", None)
-                if callable(reset):
-                    reset()
+            init(layer, index)
     uncovered = [n for n, t in checked if torch.isnan(t).any()]
     if uncovered:
-        raise ValueError(
-            f"layer {index} ({type(layer).__name__}): {uncovered} are not initialised by any submodule's "
-            "reset_parameters(); define reset_parameters() on the module that owns them"
+        how = (
+            "any submodule's reset_parameters(); define reset_parameters() on the module that owns them, or "
+            "initialise the layer your way in PipelineModule.init_layer(layer, index)"
+            if init is reset_parameters
+            else f"{getattr(init, '__qualname__', init)}"
         )
+        raise ValueError(f"layer {index} ({type(layer).__name__}): {uncovered} are not initialised by {how}")
     return layer

@@ -29,7 +29,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from lightning_oobleck.execution.stage import build_reference_model, resolve_layers
+from lightning_oobleck.execution.stage import build_reference_model, reset_parameters, resolve_layers
 
 _MINIMAL_EXAMPLE = """
     class MyModel(PipelineModule, L.LightningModule):
@@ -73,6 +73,16 @@ class PipelineModule:
             f"{type(self).__name__} must implement compute_loss(output, target) returning the mean loss of a "
             f"micro-batch, for example:\n{_MINIMAL_EXAMPLE}"
         )
+
+    def init_layer(self, layer: nn.Module, index: int) -> None:
+        """Initialise layer ``index`` in place (the RNG is seeded for this layer around the call, so it
+        gets the same weights in every layout and under every strategy, one device included).
+
+        Default: ``reset_parameters()`` of the outermost submodules that define it. Override it for a
+        model's own initialisation, e.g. ``layer.apply(self._init_weights)`` (``nn.init.normal_(std=0.02)``
+        and friends): initialisation written inside ``configure_layers`` does not run, since the layers are
+        built on the meta device."""
+        reset_parameters(layer, index)
 
     def split_batch(self, batch: Any) -> tuple[Any, Any]:
         """``(inputs, targets)`` of a batch (default: a pair). Inputs feed layer 0, targets the loss."""
@@ -138,7 +148,9 @@ class PipelineModule:
     # ---------------------------------------------------------------- internals
     def _build_all_layers(self) -> None:
         device = torch.get_default_device()
-        self.layers = build_reference_model(self.configure_layers, device, seed=self.init_seed).layers
+        self.layers = build_reference_model(
+            self.configure_layers, device, seed=self.init_seed, init=self.init_layer
+        ).layers
 
     def _executor(self) -> PipelineExecutor | None:
         trainer = getattr(self, "_trainer", None)

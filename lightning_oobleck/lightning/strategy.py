@@ -289,6 +289,7 @@ class OobleckStrategy(ParallelStrategy, PipelineExecutor):
                 self.root_device,
                 seed=module.init_seed,
                 abort=self._agent.abort if self._agent is not None else None,
+                init=module.init_layer,
             )
         held = getattr(module, "layers", None)
         if held is not None:
@@ -340,7 +341,12 @@ class OobleckStrategy(ParallelStrategy, PipelineExecutor):
             )
             with self.precision_plugin.tensor_init_context():
                 profile = profile_layers(
-                    module.configure_layers, example, self.root_device, seed=module.init_seed, cache_dir=cache
+                    module.configure_layers,
+                    example,
+                    self.root_device,
+                    seed=module.init_seed,
+                    cache_dir=cache,
+                    init=module.init_layer,
                 )
         options = dict(cfg.planner)
         cluster = ClusterSpec(**options.pop("cluster", {}))

@@ -101,6 +101,7 @@ class FitUnits:
             strategy.lightning_module.configure_layers,
             self,
             seed=strategy.lightning_module.init_seed,
+            init=strategy.lightning_module.init_layer,
             dtype=next(engine.module.parameters()).dtype,
             backend=config.backend or backend_for(strategy.root_device),
             group_timeout=engine.groups.timeout,

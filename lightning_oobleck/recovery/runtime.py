@@ -65,7 +65,13 @@ from lightning_oobleck.execution.checkpoint import (
 from lightning_oobleck.execution.engine import PipelineEngine
 from lightning_oobleck.execution.errors import PeerFailure
 from lightning_oobleck.execution.process_groups import ProcessGroups, join_generation
-from lightning_oobleck.execution.stage import LayerSource, StageModule, build_stage
+from lightning_oobleck.execution.stage import (
+    LayerInit,
+    LayerSource,
+    StageModule,
+    build_stage,
+    reset_parameters,
+)
 from lightning_oobleck.planning.plan import Plan
 from lightning_oobleck.planning.reconfigure import Reconfiguration, ReconfigurationError, after_failures
 from lightning_oobleck.recovery.agent import AgreementTimeout, WorkerAgent
@@ -140,8 +146,9 @@ class Recovery:
     """Runs a worker's units under the unit protocol and recovers them in place after failures.
 
     ``engine`` must wait on ``agent.abort`` (``PipelineEngine(..., abort=agent.abort)``) and
-    ``optimizer`` must hold exactly ``engine.module``'s parameters. ``layers``, ``seed`` and ``dtype``
-    are what the engine was built with (to materialise layers a worker receives). ``store`` is the
+    ``optimizer`` must hold exactly ``engine.module``'s parameters. ``layers``, ``seed``, ``dtype`` and
+    ``init`` are what the engine was built with (to materialise layers a worker receives: their values not in
+    the state copy, such as non-persistent buffers, come from the same initialisation). ``store`` is the
     rendezvous store the process groups use, hosted outside the workers. ``group_timeout`` bounds every
     wait of a generation (collectives, the store exchange, the arrival of every member at a switch).
     """
@@ -157,6 +164,7 @@ class Recovery:
         *,
         seed: int = 0,
         dtype: torch.dtype | None = None,
+        init: LayerInit = reset_parameters,
         backend: str = "gloo",
         group_timeout: timedelta = timedelta(seconds=30),
         agreement_timeout: float = 60.0,
@@ -190,7 +198,9 @@ class Recovery:
         """The agreed membership of the generation this worker runs."""
         self.last_event: RecoveryEvent | None = None
         """The newest recovery this worker took part in."""
-        self._build_layers = partial(build_stage, layers, device=engine.device, seed=seed, dtype=dtype)
+        self._build_layers = partial(
+            build_stage, layers, device=engine.device, seed=seed, dtype=dtype, init=init
+        )
         self._copied: _Copied | None = None
         self._switch: _Switch | None = None
         self._pending_groups: ProcessGroups | None = None

@@ -63,3 +63,39 @@ def test_missing_loss_hook_and_unusual_batches_explain_the_fix() -> None:
         model.pipeline_loss((torch.randn(2, 4), torch.tensor([0, 1])))
     with pytest.raises(TypeError, match=r"override split_batch\(self, batch\) -> \(inputs, targets\)"):
         model.pipeline_loss({"x": torch.randn(2, 4)})
+
+
+class OwnInitNet(TinyNet):
+    """TinyNet initialised its own way (GPT-2's normal 0.02, zero biases) through ``init_layer``."""
+
+    def init_layer(self, layer: nn.Module, index: int) -> None:
+        for module in layer.modules():
+            if isinstance(module, nn.Linear):
+                nn.init.normal_(module.weight, std=0.02)
+                nn.init.zeros_(module.bias)
+
+
+@pytest.mark.timeout(120)
+def test_the_models_own_init_gives_the_same_weights_on_one_device_and_on_a_heterogeneous_layout() -> None:
+    from pipeline_testing import train_loader
+
+    from lightning_oobleck.lightning import OobleckStrategy
+
+    kwargs = dict(
+        accelerator="cpu", precision="64-true", max_steps=2, logger=False, enable_checkpointing=False,
+        enable_progress_bar=False, enable_model_summary=False,
+    )  # fmt: skip
+    initial = OwnInitNet()
+    initial.configure_model()
+    assert initial.layers["0"].weight.std().item() < 0.06  # normal(0.02) of 32 values, not kaiming (~0.29)
+    assert not initial.layers["5"].bias.any()
+    single = OwnInitNet()  # built by the Trainer, in float64 like the workers' layers
+    L.Trainer(devices=1, **kwargs).fit(single, reference_train_loader(seed=0))
+
+    strategy = OobleckStrategy(
+        layout=[[0, 3, 6], [0, 6]], fault_tolerance=1, global_batch_size=8, microbatch_size=2
+    )
+    piped = OwnInitNet()
+    L.Trainer(devices=3, strategy=strategy, **kwargs).fit(piped, train_loader())
+    for name, value in single.state_dict().items():
+        torch.testing.assert_close(piped.state_dict()[name], value, rtol=0, atol=1e-10, msg=name)
