@@ -30,6 +30,7 @@ _FLAG_KEYS = {
     "global_batch": "global_batch",
     "microbatch": "microbatch",
     "profile": "profile",
+    "activation_checkpointing": "activation_checkpointing",
 }
 """Command-line flags and the configuration keys they override."""
 
@@ -47,6 +48,11 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     plan.add_argument("--microbatch", type=int, help="samples per micro-batch (b)")
     plan.add_argument("--profile", help="measured layer profile JSON (replaces the synthetic model)")
     plan.add_argument("--config", help="YAML file with planner settings (PlannerConfig)")
+    plan.add_argument(
+        "--activation-checkpointing",
+        choices=["false", "true", "auto"],
+        help="recompute activations: never, on every stage, or where a split would not fit otherwise",
+    )
     plan.add_argument(
         "--set",
         action="append",
@@ -87,6 +93,7 @@ def run_plan(args: argparse.Namespace) -> int:
         microbatch_size=config.microbatch,
         state_factor=config.state_factor,
         exact_limit=config.exact_limit,
+        activation_checkpointing=config.activation_checkpointing,
     )
     _print(plan.to_dict(), plan, args.json)
     return 0
@@ -129,12 +136,14 @@ def _print(data: dict, plan: Plan, as_json: bool, result: Reconfiguration | None
 def _templates_table(plan: Plan) -> Table:
     table = Table(title="Pipeline templates")
     table.add_column("nodes", justify="right")
-    table.add_column("stages: [first, end) layers per GPU, by node")
+    table.add_column("stages: [first, end) layers per GPU, by node (*: recomputes activations)")
     table.add_column("micro-batches", justify="right")
     table.add_column("iteration (s)", justify="right")
     for t in plan.templates:
         by_node = [
-            " ".join(f"{s.first_layer}-{s.end_layer}" for s in t.stages if s.node == n)
+            " ".join(
+                f"{s.first_layer}-{s.end_layer}{'*' if s.recompute else ''}" for s in t.stages if s.node == n
+            )
             for n in range(t.num_nodes)
         ]
         m = t.microbatches or len(t.stages)

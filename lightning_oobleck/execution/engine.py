@@ -118,6 +118,7 @@ class PipelineEngine:
         self.module = module
         pipeline = plan.pipelines[self.role.pipeline]
         stage = self.role.stage
+        module.recompute = pipeline.stages[stage].recompute
         num_stages = len(pipeline.stages)
         self.microbatches = pipeline.microbatches
         self.batch_slice = pipeline_batch_slice(plan, self.role.pipeline)

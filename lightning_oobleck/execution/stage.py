@@ -19,6 +19,7 @@ from itertools import chain
 
 import torch
 from torch import Tensor, nn
+from torch.utils.checkpoint import checkpoint
 
 LayerSource = Sequence[nn.Module] | Callable[[], Sequence[nn.Module]]
 """The model: its layers in order, or a factory returning them (called on the meta device)."""
@@ -47,10 +48,14 @@ class StageModule(nn.Module):
         super().__init__()
         self.layer_indices = tuple(sorted(layers))
         self.layers = nn.ModuleDict({str(i): layers[i] for i in self.layer_indices})
+        self.recompute = False
+        """Activation recomputation: under autograd, each layer keeps only its input and runs its forward
+        again in the backward (``torch.utils.checkpoint``, non-reentrant; the RNG state is replayed)."""
 
     def forward(self, x: Tensor) -> Tensor:
+        recompute = self.recompute and torch.is_grad_enabled()
         for layer in self.layers.values():
-            x = layer(x)
+            x = checkpoint(layer, x, use_reentrant=False) if recompute else layer(x)
         return x
 
     def layer(self, index: int) -> nn.Module:

@@ -69,6 +69,10 @@ class OobleckConfig:
     layout: list[list[int]] | None = None
     """An explicit layout instead of the planner's: one list of stage boundaries per pipeline, e.g.
     ``[[0, 3, 6], [0, 6]]`` is a 2-stage pipeline (layers 0-2 and 3-5) beside a 1-stage one."""
+    activation_checkpointing: Any = False
+    """Activation recomputation (``torch.utils.checkpoint`` per layer): ``False``, ``True`` (every stage) or
+    ``"auto"`` (the planner turns it on per template exactly where a split would not fit otherwise). With
+    ``layout``, ``True`` or ``False``."""
     microbatches: list[int] | None = None
     """With ``layout``: micro-batches per pipeline (default: as even as possible)."""
 
@@ -97,6 +101,18 @@ class OobleckConfig:
         if self.start_method not in START_METHODS:
             raise ValueError(
                 f"start_method must be one of {', '.join(START_METHODS)}, got {self.start_method!r}"
+            )
+        if self.activation_checkpointing not in (False, True, "auto"):
+            raise ValueError(
+                "activation_checkpointing must be false, true or 'auto', got "
+                f"{self.activation_checkpointing!r}"
+            )
+        if self.activation_checkpointing == "auto" and (
+            self.layout is not None or self.plan_path is not None
+        ):
+            raise ValueError(
+                "activation_checkpointing='auto' lets the planner choose where to recompute; with a fixed "
+                "layout or plan_path give true or false (a plan_path's stages say it themselves)"
             )
         if self.microbatches is not None and self.layout is None:
             raise ValueError("microbatches is only meaningful with layout=[[...], ...]")

@@ -69,7 +69,7 @@ def layout_plan(config: OobleckConfig, num_layers: int, num_workers: int) -> Pla
         )
     pipelines, first_node = [], 0
     for bounds, count in zip(layout, microbatches, strict=True):
-        template = _template(bounds, gpus)
+        template = _template(bounds, gpus, recompute=config.activation_checkpointing is True)
         pipelines.append(Pipeline(template, tuple(range(first_node, first_node + template.num_nodes)), count))
         first_node += template.num_nodes
     assert config.global_batch_size is not None
@@ -97,9 +97,9 @@ def check_layout_size(config: OobleckConfig, num_workers: int) -> None:
         )
 
 
-def _template(bounds: Sequence[int], gpus: int) -> PipelineTemplate:
+def _template(bounds: Sequence[int], gpus: int, recompute: bool) -> PipelineTemplate:
     stages = tuple(
-        Stage(first, end, node=s // gpus, device=s % gpus)
+        Stage(first, end, node=s // gpus, device=s % gpus, recompute=recompute)
         for s, (first, end) in enumerate(itertools.pairwise(bounds))
     )
     return PipelineTemplate(

@@ -358,6 +358,7 @@ class OobleckStrategy(ParallelStrategy, PipelineExecutor):
             fault_tolerance=cfg.fault_tolerance,
             global_batch_size=cfg.global_batch_size,
             microbatch_size=cfg.microbatch_size,
+            activation_checkpointing=cfg.activation_checkpointing,
             **options,
         )
 

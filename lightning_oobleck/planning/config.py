@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 from lightning_oobleck.planning.batch import num_microbatches
 from lightning_oobleck.planning.cluster import ClusterSpec
@@ -39,6 +40,8 @@ class PlannerConfig:
     """Bytes of parameter + gradient + optimizer state per parameter byte; None: from the dtype."""
     exact_limit: int = 20_000
     """Evaluate every template multiset when there are at most this many (exact instantiation)."""
+    activation_checkpointing: Any = False
+    """Activation recomputation: false, true (every stage) or auto (only where a split would not fit)."""
 
     def validate(self) -> None:
         self.cluster.validate()

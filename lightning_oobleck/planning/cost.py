@@ -17,6 +17,13 @@ optimizer state, plus the activations of the ``min(S - s, m)`` micro-batches 1F1
 that stage (stage 0 holds the most). Templates are checked with ``m >= S`` (the worst case), so they
 stay feasible whatever batch they are given later.
 
+Activation recomputation (``activation_checkpointing``): a recomputing stage keeps, per in-flight
+micro-batch, only each layer's input (the output of the layer before it; the pipeline's own input is not
+counted) instead of every tensor its layers save, plus the saved tensors of the one layer being recomputed
+at a time; it runs each forward twice (``compute + forward``). ``True`` recomputes on every stage,
+``"auto"`` only on the stages of a split that would not fit the device otherwise (per stage, in the
+template search), ``False`` never.
+
 Gradient synchronisation: each layer's gradient is all-reduced across the ``k`` pipelines holding a
 replica (ring all-reduce over the inter-node network)::
 
@@ -27,6 +34,8 @@ reads and writes the parameter state once (``2 * bytes * state_factor / memory_b
 """
 
 from __future__ import annotations
+
+from typing import Literal, NamedTuple
 
 import numpy as np
 from numpy.typing import ArrayLike
@@ -45,14 +54,36 @@ def default_state_factor(dtype: str) -> float:
     return 8.0 if dtype in ("float16", "bfloat16") else 4.0
 
 
+ActivationCheckpointing = bool | Literal["auto"]
+"""Whether stages recompute activations: never, always, or where a split would not fit otherwise."""
+
+
+class StageChoices(NamedTuple):
+    """For each stage index ``s`` and layer range ``[i, j)``: its time and memory (``inf`` where it does not
+    fit the device) and whether it recomputes activations."""
+
+    times: np.ndarray
+    memory: np.ndarray
+    recompute: np.ndarray
+
+
 class CostModel:
     """Predicted costs for one model on one cluster, with prefix sums for O(1) layer-range queries."""
 
     def __init__(
-        self, profile: ModelProfile, cluster: ClusterSpec, state_factor: float | None = None
+        self,
+        profile: ModelProfile,
+        cluster: ClusterSpec,
+        state_factor: float | None = None,
+        activation_checkpointing: ActivationCheckpointing = False,
     ) -> None:
+        if activation_checkpointing not in (False, True, "auto"):
+            raise ValueError(
+                f"activation_checkpointing must be false, true or 'auto', got {activation_checkpointing!r}"
+            )
         self.profile = profile
         self.cluster = cluster
+        self.activation_checkpointing = activation_checkpointing
         self.state_factor = default_state_factor(profile.dtype) if state_factor is None else state_factor
         layers = profile.layers
 
@@ -63,6 +94,10 @@ class CostModel:
         self._params = prefix([la.parameter_bytes for la in layers])
         self._activations = prefix([la.activation_bytes for la in layers])
         self._outputs = np.asarray([la.output_activation_bytes for la in layers], dtype=np.float64)
+        self._forward = prefix([la.forward_s for la in layers])
+        # the input each layer keeps when recomputing: the output of the layer before it
+        self._inputs = prefix([0.0] + [la.output_activation_bytes for la in layers[:-1]])
+        self._saved = np.asarray([la.activation_bytes for la in layers], dtype=np.float64)
 
     @property
     def num_layers(self) -> int:
@@ -160,6 +195,35 @@ class CostModel:
                 t = t + (latency + boundary / bandwidth)[:, None]
             out[s] = t
         return out
+
+    def stage_choices(self, num_stages: int) -> StageChoices:
+        """Each stage's time and memory under ``activation_checkpointing``, ``inf`` where it does not fit."""
+        cap = self.cluster.device_memory_bytes
+        plain_t, plain_m = self.stage_time_matrices(num_stages), self.stage_memory_matrices(num_stages)
+        plain_t = np.where(plain_m <= cap, plain_t, np.inf)
+        if self.activation_checkpointing is False:
+            return StageChoices(plain_t, plain_m, np.zeros(plain_t.shape, dtype=bool))
+        n = self.num_layers + 1
+        forward = self._forward[None, :] - self._forward[:, None]
+        forward = np.where(np.arange(n)[None, :] > np.arange(n)[:, None], forward, 0.0)
+        re_t = self.stage_time_matrices(num_stages) + forward[None]  # inf stays inf where j <= i
+        re_m = self.recompute_memory_matrices(num_stages)
+        re_t = np.where(re_m <= cap, re_t, np.inf)
+        if self.activation_checkpointing is True:
+            return StageChoices(re_t, re_m, np.ones(re_t.shape, dtype=bool))
+        use = ~np.isfinite(plain_t) & np.isfinite(re_t)
+        return StageChoices(np.where(use, re_t, plain_t), np.where(use, re_m, plain_m), use)
+
+    def recompute_memory_matrices(self, num_stages: int) -> np.ndarray:
+        """``M[s, i, j]``: peak memory of ``[i, j)`` as stage ``s`` with ``m >= S``, recomputing."""
+        n = self.num_layers + 1
+        params = self._params[None, :] - self._params[:, None]
+        inputs = self._inputs[None, :] - self._inputs[:, None]
+        peak = np.zeros((n, n))  # the saved tensors of the largest layer of [i, j), alive while recomputed
+        for i in range(n - 1):
+            peak[i, i + 1 :] = np.maximum.accumulate(self._saved[i:])
+        in_flight = (num_stages - np.arange(num_stages))[:, None, None]
+        return params[None] * self.state_factor + inputs[None] * in_flight + peak[None]
 
     def stage_memory_matrices(self, num_stages: int) -> np.ndarray:
         """``M[s, i, j]`` = :meth:`stage_memory_bytes` of ``[i, j)`` as stage ``s`` with ``m >= S``."""

@@ -34,6 +34,9 @@ class Stage:
     """Node index inside the template (``0..template.num_nodes-1``)."""
     device: int = 0
     """Device index inside that node (``0..gpus_per_node-1``)."""
+    recompute: bool = False
+    """Activation recomputation: each layer keeps only its input per in-flight micro-batch and runs its
+    forward again in the backward (``torch.utils.checkpoint``)."""
 
     @property
     def layers(self) -> range:
@@ -257,7 +260,13 @@ def _template_to_dict(t: PipelineTemplate) -> dict[str, Any]:
     return {
         "nodes": t.num_nodes,
         "stages": [
-            {"layers": [s.first_layer, s.end_layer], "node": s.node, "device": s.device} for s in t.stages
+            {
+                "layers": [s.first_layer, s.end_layer],
+                "node": s.node,
+                "device": s.device,
+                "recompute": s.recompute,
+            }
+            for s in t.stages
         ],
         "stage_times_s": list(t.stage_times_s),
         "stage_memory_bytes": list(t.stage_memory_bytes),
@@ -268,7 +277,13 @@ def _template_to_dict(t: PipelineTemplate) -> dict[str, Any]:
 
 def _template_from_dict(d: dict[str, Any], gpus_per_node: int) -> PipelineTemplate:
     stages = tuple(
-        Stage(int(s["layers"][0]), int(s["layers"][1]), int(s["node"]), int(s.get("device", 0)))
+        Stage(
+            int(s["layers"][0]),
+            int(s["layers"][1]),
+            int(s["node"]),
+            int(s.get("device", 0)),
+            bool(s.get("recompute", False)),
+        )
         for s in d["stages"]
     )
     return PipelineTemplate(

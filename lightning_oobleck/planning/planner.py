@@ -15,7 +15,7 @@ from typing import Any
 
 from lightning_oobleck.planning.batch import distribute_microbatches, num_microbatches
 from lightning_oobleck.planning.cluster import ClusterSpec
-from lightning_oobleck.planning.cost import CostModel
+from lightning_oobleck.planning.cost import ActivationCheckpointing, CostModel
 from lightning_oobleck.planning.instantiation import instantiate
 from lightning_oobleck.planning.node_spec import min_nodes, template_sizes
 from lightning_oobleck.planning.plan import Pipeline, PipelineTemplate, Plan
@@ -37,9 +37,10 @@ class PlannerInputs:
     """The requested ``f`` (a plan may tolerate fewer failures after losing nodes)."""
     state_factor: float | None = None
     exact_limit: int = 20_000
+    activation_checkpointing: ActivationCheckpointing = False
 
     def cost(self) -> CostModel:
-        return CostModel(self.profile, self.cluster, self.state_factor)
+        return CostModel(self.profile, self.cluster, self.state_factor, self.activation_checkpointing)
 
     def to_extra(self, next_node_id: int) -> dict[str, Any]:
         return {
@@ -48,6 +49,7 @@ class PlannerInputs:
             "requested_fault_tolerance": self.fault_tolerance,
             "state_factor": self.state_factor,
             "exact_limit": self.exact_limit,
+            "activation_checkpointing": self.activation_checkpointing,
             "next_node_id": next_node_id,
         }
 
@@ -61,6 +63,7 @@ class PlannerInputs:
                 fault_tolerance=int(e["requested_fault_tolerance"]),
                 state_factor=e.get("state_factor"),
                 exact_limit=int(e.get("exact_limit", 20_000)),
+                activation_checkpointing=e.get("activation_checkpointing", False),
             )
         except (KeyError, TypeError) as err:
             raise PlanningError(
@@ -80,6 +83,7 @@ def make_plan(
     gpus_per_node: int | None = None,
     state_factor: float | None = None,
     exact_limit: int = 20_000,
+    activation_checkpointing: ActivationCheckpointing = False,
 ) -> Plan:
     """The fastest plan that uses every node of the cluster in at least ``f + 1`` pipelines.
 
@@ -108,7 +112,9 @@ def make_plan(
             f"{total} micro-batches cannot feed the {fault_tolerance + 1} pipelines that f={fault_tolerance} "
             f"needs: raise the global batch to at least {(fault_tolerance + 1) * microbatch}"
         )
-    inputs = PlannerInputs(profile, cluster, fault_tolerance, state_factor, exact_limit)
+    inputs = PlannerInputs(
+        profile, cluster, fault_tolerance, state_factor, exact_limit, activation_checkpointing
+    )
     cost = inputs.cost()
     n0 = min_nodes(cost)
     nodes = cluster.num_nodes

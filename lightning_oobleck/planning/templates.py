@@ -145,16 +145,17 @@ def generate_template(cost: CostModel, num_nodes: int, microbatches: int) -> Pip
             f"a {num_nodes}-node template needs {num_stages} stages (one per GPU) but the model has "
             f"{cost.num_layers} layers; use pipelines of at most {cost.num_layers // g} nodes"
         )
-    times = cost.stage_time_matrices(num_stages)
-    memory = cost.stage_memory_matrices(num_stages)
-    times[memory > cost.cluster.device_memory_bytes] = np.inf
+    times, memory, recompute = cost.stage_choices(num_stages)
     ranges = _SplitSearch(times).best_split(microbatches)
     if ranges is None:
         raise InfeasibleTemplateError(
             f"the model does not fit in {num_nodes} node(s) of {g} GPU(s) with "
             f"{cost.cluster.device_memory_bytes / 1e9:.1f} GB each; use more nodes per pipeline"
         )
-    stages = tuple(Stage(i, j, node=s // g, device=s % g) for s, (i, j) in enumerate(ranges))
+    stages = tuple(
+        Stage(i, j, node=s // g, device=s % g, recompute=bool(recompute[s, i, j]))
+        for s, (i, j) in enumerate(ranges)
+    )
     return PipelineTemplate(
         num_nodes=num_nodes,
         gpus_per_node=g,
@@ -170,9 +171,7 @@ def is_feasible(cost: CostModel, num_nodes: int) -> bool:
     num_stages = num_nodes * cost.cluster.gpus_per_node
     if num_nodes < 1 or num_stages > cost.num_layers:
         return False
-    fits = cost.stage_memory_matrices(num_stages) <= cost.cluster.device_memory_bytes
-    times = np.where(fits, cost.stage_time_matrices(num_stages), np.inf)
-    return bool(np.isfinite(_SplitSearch(times).min_max()))
+    return bool(np.isfinite(_SplitSearch(cost.stage_choices(num_stages).times).min_max()))
 
 
 def generate_templates(

@@ -76,7 +76,11 @@ class OwnInitNet(TinyNet):
 
 
 @pytest.mark.timeout(120)
-def test_the_models_own_init_gives_the_same_weights_on_one_device_and_on_a_heterogeneous_layout() -> None:
+@pytest.mark.parametrize("recompute", [False, True], ids=["stored", "recomputed"])
+def test_the_models_own_init_gives_the_same_weights_on_one_device_and_on_a_heterogeneous_layout(
+    recompute: bool,
+) -> None:
+    """Also with activation recomputation on every stage: the same weights either way."""
     from pipeline_testing import train_loader
 
     from lightning_oobleck.lightning import OobleckStrategy
@@ -93,7 +97,11 @@ def test_the_models_own_init_gives_the_same_weights_on_one_device_and_on_a_heter
     L.Trainer(devices=1, **kwargs).fit(single, reference_train_loader(seed=0))
 
     strategy = OobleckStrategy(
-        layout=[[0, 3, 6], [0, 6]], fault_tolerance=1, global_batch_size=8, microbatch_size=2
+        layout=[[0, 3, 6], [0, 6]],
+        fault_tolerance=1,
+        global_batch_size=8,
+        microbatch_size=2,
+        activation_checkpointing=recompute,
     )
     piped = OwnInitNet()
     L.Trainer(devices=3, strategy=strategy, **kwargs).fit(piped, train_loader())

@@ -52,6 +52,11 @@ def trainer(devices: int, strategy: OobleckStrategy, **kwargs: object) -> L.Trai
         ),
         ({"start_method": "thread"}, "start_method must be one of forkserver, spawn, fork"),
         ({"microbatches": [2, 2]}, "only meaningful with layout"),
+        ({"activation_checkpointing": "sometimes"}, "activation_checkpointing must be false, true or 'auto'"),
+        (
+            {"activation_checkpointing": "auto", "layout": [[0, 6]]},
+            "'auto' lets the planner choose where to recompute; with a fixed layout or plan_path give true",
+        ),
         (
             {"heartbeat_timeout_s": 60, "collective_timeout_s": 30},
             r"the timeouts must rise: 0 < heartbeat_timeout_s \(60\) < collective_timeout_s \(30\)",
