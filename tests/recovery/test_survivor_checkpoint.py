@@ -15,6 +15,7 @@ import dataclasses
 import json
 import os
 import signal
+import time
 from pathlib import Path
 from typing import Any
 
@@ -52,14 +53,24 @@ class KillTogether(Faults):
 
     def __init__(self, out: Path, step: int, nodes: tuple[int, ...]) -> None:
         super().__init__(out, {(nodes[0], step): Fault(signal.SIGKILL, FORWARD)})
-        self.others = nodes[1:]
+        self.others, self.armed_step = nodes[1:], step
 
     def on_fit_start(self, trainer: L.Trainer, module: L.LightningModule) -> None:
         super().on_fit_start(trainer, module)
         (self.out / f"pid-{self.name}").write_text(str(os.getpid()))
+        self.workers = len(trainer.strategy.plan.workers)  # one record file each
 
     def _fire(self, when: str) -> None:
         if self.armed is not None and self.armed.when == when:
+            # A worker may still be between the last step's commit and its record of that step (written
+            # after its optimizer step): wait for every worker's record before the kill.
+            done = self.armed_step - 1
+            deadline = time.monotonic() + 20
+            while time.monotonic() < deadline:
+                records = [path.read_text() for path in self.out.glob("fed-*.jsonl")]
+                if len(records) == self.workers and all(f'"step": {done},' in r for r in records):
+                    break
+                time.sleep(0.01)
             for node in self.others:
                 (self.out / f"fault-{node}.0.json").write_text(json.dumps(self.armed))
                 os.kill(int((self.out / f"pid-{node}.0").read_text()), signal.SIGKILL)
