@@ -1,6 +1,8 @@
 """Measure each layer's cost for one micro-batch on the real device: the planner's input.
 
-Every layer runs forward and backward for real (warm-up, then repetitions; the median is kept),
+Layers are materialised one at a time (from the meta device when the model is a factory) and freed after
+their measurement, so a model larger than the device can be profiled. Every layer runs forward and
+backward for real (warm-up, then repetitions; the median is kept),
 timed with CUDA events on a GPU and the wall clock elsewhere. Memory is counted, not estimated:
 parameter bytes, the bytes of the layer's output (what crosses a stage boundary) and the bytes of the
 tensors autograd saves for the backward (what each in-flight micro-batch keeps alive), found with
@@ -26,7 +28,7 @@ from lightning_oobleck.execution.schedule import LossFn
 from lightning_oobleck.execution.stage import (
     LayerInit,
     LayerSource,
-    build_reference_model,
+    build_stage,
     reset_parameters,
     resolve_layers,
 )
@@ -61,18 +63,22 @@ def profile_layers(
     cached = Path(cache_dir) / f"profile-{key[:20]}.json" if cache_dir is not None else None
     if cached is not None and cached.exists():
         return ModelProfile.load(cached)
-    model = build_reference_model(layers_or_factory, device, seed, dtype, init)
     x = example_input.to(device)
     layers = []
-    last = model.layer_indices[-1]
-    for index in model.layer_indices:
+    last = len(resolve_layers(layers_or_factory)) - 1
+    parameter_dtype = dtype or torch.get_default_dtype()
+    for index in range(last + 1):
+        # One layer on the device at a time: a model larger than the device can be profiled.
+        layer = build_stage(layers_or_factory, [index], device, seed, dtype, init).layer(index)
+        parameter_dtype = next((p.dtype for p in layer.parameters()), parameter_dtype)
         loss = None
         if index == last and loss_fn is not None and example_target is not None:
             target = example_target.to(device)
             loss = lambda out, target=target: loss_fn(out, target)  # noqa: E731
-        profile, x = _profile_layer(model.layer(index), x, device, warmup, repeat, loss)
+        profile, x = _profile_layer(layer, x, device, warmup, repeat, loss)
         layers.append(profile)
-    dtype_name = str(next(model.parameters()).dtype).removeprefix("torch.")
+        del layer
+    dtype_name = str(parameter_dtype).removeprefix("torch.")
     result = ModelProfile(
         tuple(layers),
         microbatch_size=example_input.shape[0],

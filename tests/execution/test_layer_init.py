@@ -82,3 +82,26 @@ def test_an_init_that_misses_a_parameter_is_refused_by_name() -> None:
         ValueError, match=r"layer 4 \(Linear\): \['bias'\] are not initialised by .*only_weights"
     ):
         build_stage(layers, [4], CPU, init=only_weights)
+
+
+def test_the_profiler_materialises_one_layer_at_a_time() -> None:
+    """A model larger than the device can be profiled: never two of its layers exist at once."""
+    import gc
+    import weakref
+
+    from lightning_oobleck.execution.profiler import profile_layers
+    from lightning_oobleck.execution.stage import reset_parameters
+
+    live: weakref.WeakSet[nn.Module] = weakref.WeakSet()
+    most = 0
+
+    def counting(layer: nn.Module, index: int) -> None:
+        nonlocal most
+        reset_parameters(layer, index)
+        gc.collect()
+        live.add(layer)
+        most = max(most, len(live))
+
+    profile = profile_layers(layers, torch.randint(0, 100, (4,)), CPU, repeat=1, warmup=0, init=counting)
+    assert profile.num_layers == 5 and most == 1
+    assert profile.layers[4].parameter_bytes == (64 * 100 + 100) * 4
