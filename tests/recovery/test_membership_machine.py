@@ -118,7 +118,11 @@ class Harness:
             node_clients = [
                 c for c in self.by_worker.values() if c.worker is not None and c.worker.node == node
             ]
-            explained = any(c.silent or c.gone or c.conn in self.killed for c in node_clients)
+            # the node is the failure domain: a node-mate that died, or that never answered an announcement
+            # (declared dead after the agreement timeout), takes this worker out with it
+            explained = any(
+                c.silent or c.gone or c.conn in self.killed or not c.responsive for c in node_clients
+            )
             explained |= any(w.node == node for w in self.exited)
             registered_dead_node = (
                 client.worker in self.by_worker and self.by_worker[client.worker] is not client
@@ -231,7 +235,9 @@ class Harness:
         assert list(m.alive) == live
         if live:
             newest = m.history[-1]
-            assert list(newest.workers) == live and newest.agreed_at is not None
+            # every live worker is a member; the others left normally (a leave makes no new generation)
+            assert set(live) <= set(newest.workers) <= set(live) | m.finished
+            assert newest.agreed_at is not None
             assert m.phase is Phase.RUNNING
         for w, c in self.by_worker.items():
             if not self.live(c) and c.conn not in self.killed and not c.gone:
