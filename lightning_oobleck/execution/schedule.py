@@ -100,6 +100,14 @@ class _Step:
             self.loss_sum = loss.detach() if self.loss_sum is None else self.loss_sum + loss.detach()
             y = loss
         else:
+            if not isinstance(y, Tensor):
+                layer = self.ctx.module.layer_indices[-1]
+                raise TypeError(
+                    f"layer {layer} returned a {type(y).__name__}, but its output goes to the next stage, "
+                    "which takes one tensor: structured outputs (tuples, dicts, model output objects) cannot "
+                    f"cross a stage boundary yet. Return the hidden states from layer {layer} (wrap a block "
+                    "that returns a tuple in an nn.Module whose forward returns block(x)[0])"
+                )
             send_grad = train and y.requires_grad
             self.acts_out.send(y, requires_grad=send_grad)
             if send_grad and self.grads_in is None:

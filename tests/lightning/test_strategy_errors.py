@@ -147,6 +147,30 @@ def test_errors_inside_the_workers_reach_the_caller_with_the_fix() -> None:
         )
 
 
+class TupleBlock(nn.Module):
+    """A block written the Hugging Face way: it returns a tuple."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(8, 8)
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, None]:
+        return torch.tanh(self.fc(x)), None
+
+
+class TupleNet(TinyNet):
+    def configure_layers(self) -> list[nn.Module]:
+        return [nn.Linear(4, 8), TupleBlock(), nn.Linear(8, 3)]
+
+
+@pytest.mark.timeout(120)
+def test_a_layer_output_that_cannot_cross_a_stage_boundary_is_refused_by_name() -> None:
+    with pytest.raises(LaunchError, match=r"layer 1 returned a tuple, but its output goes to the next stage"):
+        trainer(2, strategy(layout=[[0, 2, 3]], fault_tolerance=0)).fit(
+            TupleNet(), train_loader(torch.float32)
+        )
+
+
 def test_batch_sizes_default_to_the_loaders_batch_and_two_microbatches_per_process() -> None:
     config = OobleckConfig().with_batch(loader_batch_size=48, num_workers=4)
     assert (config.global_batch_size, config.microbatch_size) == (48, 6)
