@@ -238,7 +238,8 @@ def fit_loop(
             "microbatch_size": MICRO,
             "seed": SEED,
             "collective_timeout_s": 20,
-            "heartbeat_timeout_s": 4.0,
+            # 7 workers and 14 loader workers share 2 cores here: a heartbeat thread can starve for seconds
+            "heartbeat_timeout_s": 8.0,
             **kw,
         }
     )
