@@ -259,7 +259,8 @@ class OobleckStrategy(ParallelStrategy, PipelineExecutor):
         self._engine = self._build_engine(module)
         module.layers = self._engine.module.layers
         self.model_to_device()
-        if trainer.state.fn == TrainerFn.FITTING:
+        fitting = trainer.state.fn == TrainerFn.FITTING
+        if fitting:
             self.setup_optimizers(trainer)
             self._check_optimizers()
         self.setup_precision_plugin()
@@ -268,13 +269,13 @@ class OobleckStrategy(ParallelStrategy, PipelineExecutor):
             self.precision_plugin, lambda: self._require_units().committed[0]
         )
         self._units = FitUnits(self, trainer)
-        if trainer.state.fn == TrainerFn.FITTING:
+        if fitting:
             _optimizers_to_device(self.optimizers, self.root_device)
-            if self._agent is not None:
-                assert self._store is not None
-                self._units.enable_recovery(self._agent, self._store)
+        if fitting and self._agent is not None:
+            assert self._store is not None
+            self._units.enable_recovery(self._agent, self._store)  # before the first exchange, just below
         share_logger_versions(trainer, self._units)
-        if trainer.state.fn == TrainerFn.FITTING:
+        if fitting:
             # Lightning broadcasts its SIGTERM flag on the default group before every batch; here the step's
             # commit carries it, so no collective runs outside the units.
             trainer.fit_loop.epoch_loop._broadcast_sigterm_tensor = self._units.check_sigterm  # type: ignore[method-assign]

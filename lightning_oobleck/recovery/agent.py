@@ -415,10 +415,18 @@ def process_agent(worker: tuple[int, int], **kwargs: Any) -> WorkerAgent:
     membership carries over from one run to the next. It leaves (``close_process_agent``) when the process
     ends normally; a process that fails closes it unfinished, so the peers see it lost at once."""
     global _process_agent
-    if _process_agent is None or _process_agent.worker != Worker(*worker):
-        close_process_agent(finished=False)
-        _process_agent = WorkerAgent(worker, **kwargs).start()
-        atexit.register(close_process_agent)
+    if _process_agent is not None and _process_agent.worker == Worker(*worker):
+        wanted = kwargs.get("timeouts")
+        if wanted is not None and wanted != _process_agent.timeouts:
+            raise ValueError(
+                f"this process registered with {_process_agent.timeouts} and a later run asks for {wanted}: "
+                "the failure detector's timeouts are the job's; give every run of the process the same "
+                "heartbeat_timeout_s and hang_timeout_s"
+            )
+        return _process_agent
+    close_process_agent(finished=False)
+    _process_agent = WorkerAgent(worker, **kwargs).start()
+    atexit.register(close_process_agent)
     return _process_agent
 
 

@@ -30,6 +30,7 @@ import signal
 import socket
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -226,13 +227,13 @@ class Coordinator:
             self._wake_r.close()
             self._wake_w.close()
 
-    def _apply(self, event: object) -> None:
-        """Run one machine event (a callable returning effects) under the lock, then carry out its effects;
-        a send that fails is the next event."""
+    def _apply(self, event: Callable[[], list[Effect]]) -> None:
+        """Run one machine event under the lock, then carry out its effects; a send that fails is the next
+        event."""
         pending = [event]
         while pending:
             with self._lock:
-                effects: list[Effect] = pending.pop(0)()  # type: ignore[operator]
+                effects = pending.pop(0)()
             for effect in effects:
                 conn = self._connections.get(effect.conn)
                 if conn is None:

@@ -30,7 +30,6 @@ class CoordinatorService:
         self.settle_s = settle_s
         self.agreement_timeout = agreement_timeout
         self.coordinator: Coordinator | None = None
-        self._devices_per_node = 1
 
     def start(self, supervisor: Supervisor) -> None:
         self.coordinator = Coordinator(
@@ -44,7 +43,6 @@ class CoordinatorService:
             allow_joins=False,
             devices_per_node=supervisor.devices_per_node,
         ).start()
-        self._devices_per_node = supervisor.devices_per_node
         supervisor.worker_env[ADDRESS_ENV] = self.coordinator.address
         supervisor.worker_env[SECRET_ENV] = self.coordinator.secret
 
@@ -52,7 +50,8 @@ class CoordinatorService:
         """Tell the coordinator, which needs it for a worker that died before it registered."""
         if self.coordinator is not None:
             how = f"killed by signal {-exitcode}" if exitcode < 0 else f"exited with status {exitcode}"
-            worker = Worker(rank // self._devices_per_node, rank % self._devices_per_node)
+            per_node = self.coordinator.machine.devices_per_node  # the launcher numbers ranks node by node
+            worker = Worker(*divmod(rank, per_node))
             self.coordinator.worker_exited(worker, f"its process ended ({how}) before it registered")
 
     def stop(self) -> None:

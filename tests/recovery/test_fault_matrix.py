@@ -115,6 +115,8 @@ class Faults(L.Callback):
             sync._issue = issue_then_fire
 
     def _on_forward(self, layer: torch.nn.Module, args: tuple) -> None:
+        if torch._C._current_graph_task_id() != -1:
+            return  # activation recomputation: the forward run again inside a backward
         engine = self.engine()
         if engine.is_first_stage and layer is engine.module.layer(0):
             self.fed.append((engine.groups.generation, args[0].detach().clone()))

@@ -290,3 +290,21 @@ def test_the_first_registration_sets_the_jobs_timeouts_and_a_different_one_is_re
             same.close()
         finally:
             first.close()
+
+
+@pytest.mark.timeout(30)
+def test_a_process_keeps_one_agent_for_its_runs_and_refuses_other_timeouts_in_a_later_run() -> None:
+    from lightning_oobleck.recovery.agent import close_process_agent, process_agent
+
+    with Coordinator(1, "127.0.0.1") as c:
+        try:
+            first = process_agent((0, 0), address=c.address, timeouts=Timeouts(3.0, 90.0))
+            assert process_agent((0, 0), address=c.address, timeouts=Timeouts(3.0, 90.0)) is first
+            with pytest.raises(
+                ValueError, match="give every run of the process the same heartbeat_timeout_s"
+            ):
+                process_agent((0, 0), address=c.address, timeouts=Timeouts(6.0, 90.0))
+        finally:
+            close_process_agent()
+        wait_until(lambda: c.wait_done(0), 5.0, "the agent's leave")
+        assert c.finished and not c.deaths

@@ -80,14 +80,16 @@ def test_lost_before_registering_and_in_the_sanity_check(
 def test_the_planner_lost_while_it_plans_and_a_worker_lost_in_setup(
     tmp_path: Path, loop_reference: dict[str, Any]
 ) -> None:
-    """5 nodes, the automatic plan (f = 1): node 0, which makes the plan, dies while it profiles the layers;
-    the lowest survivor makes it instead. Node 3 dies in ``LightningModule.setup``."""
+    """5 nodes, the automatic plan (f = 1) with activation recomputation on every stage: node 0, which makes
+    the plan, dies while it profiles the layers; the lowest survivor makes it instead. Node 3 dies in
+    ``LightningModule.setup``; the recovery rebuilds recomputing stages."""
     trainer = fit_loop(
         tmp_path,
         LoopFaults(tmp_path, {}),
         5,
         module=StartupNet(tmp_path, {0: PLANNING, 3: SETUP}),
         fault_tolerance=1,
+        activation_checkpointing=True,
     )
     check_loop(trainer, tmp_path, loop_reference, dead={0, 3}, num_nodes=5, lost_before_start={0})
 
