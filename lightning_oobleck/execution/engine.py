@@ -10,13 +10,22 @@ training on the whole global batch with a mean loss.
 from __future__ import annotations
 
 import threading
+from typing import Any
 
 import torch
+import torch.utils._pytree as pytree
 from torch import Tensor
 
 from lightning_oobleck.execution.grad_sync import DEFAULT_BUCKET_CAP_BYTES, GradientSync
 from lightning_oobleck.execution.process_groups import ProcessGroups
-from lightning_oobleck.execution.schedule import LossFn, StageContext, run_eval, run_train
+from lightning_oobleck.execution.schedule import (
+    Context,
+    LossFn,
+    Microbatch,
+    StageContext,
+    run_eval,
+    run_train,
+)
 from lightning_oobleck.execution.stage import (
     LayerInit,
     LayerSource,
@@ -150,35 +159,50 @@ class PipelineEngine:
     def is_last_stage(self) -> bool:
         return self.role.stage == len(self.plan.pipelines[self.role.pipeline].stages) - 1
 
-    def _split(self, name: str, batch: Tensor | None, needed: bool) -> list[Tensor] | None:
-        if not needed:
-            return None
-        if batch is None:
-            where = "first" if name == "inputs" else "last"
-            raise ValueError(f"the {where} stage of a pipeline needs {name}, got None")
-        b = self.plan.microbatch_size
-        if batch.shape[0] != self.microbatches * b:
-            raise ValueError(
-                f"{name} has {batch.shape[0]} samples but this pipeline runs {self.microbatches} "
-                f"micro-batches of {b}: pass global_batch[engine.batch_slice] "
-                f"({self.microbatches * b} samples)"
-            )
-        return list(batch.to(self.device, non_blocking=True).split(b))
+    def _microbatches(self, inputs: Any, targets: Any, context: Context | None) -> list[Microbatch]:
+        """This pipeline's share, cut into micro-batches along the first dimension of every tensor."""
+        for name, part, needed in (
+            ("inputs", inputs, self.is_first_stage),
+            ("targets", targets, self.is_last_stage),
+        ):
+            if needed and part is None:
+                where = "first" if name == "inputs" else "last"
+                raise ValueError(f"the {where} stage of a pipeline needs {name}, got None")
+        m = self.microbatches
+        xs = self._split("inputs", inputs) if self.is_first_stage else [None] * m
+        ys = self._split("targets", targets) if self.is_last_stage else [None] * m
+        side = {k: self._split(f"context[{k!r}]", v) for k, v in (context or {}).items()}
+        return [Microbatch(xs[i], ys[i], {k: v[i] for k, v in side.items()}) for i in range(m)]
 
-    def train_step(self, inputs: Tensor | None, targets: Tensor | None) -> Tensor | None:
+    def _split(self, name: str, batch: Any) -> list[Any]:
+        """``batch`` (a tensor or pytree of tensors) cut into this pipeline's micro-batches."""
+        b, m = self.plan.microbatch_size, self.microbatches
+        leaves, spec = pytree.tree_flatten(batch)
+        cut = []
+        for leaf in leaves:
+            if not isinstance(leaf, Tensor) or leaf.dim() == 0 or leaf.shape[0] != m * b:
+                got = f"{leaf.shape[0]} samples" if isinstance(leaf, Tensor) and leaf.dim() else repr(leaf)
+                raise ValueError(
+                    f"{name} has {got} but this pipeline runs {m} micro-batches of {b}: every tensor of it "
+                    f"must hold global_batch[engine.batch_slice] ({m * b} samples) along its first dimension"
+                )
+            cut.append(leaf.to(self.device, non_blocking=True).split(b))
+        return [pytree.tree_unflatten([c[i] for c in cut], spec) for i in range(m)]
+
+    def train_step(self, inputs: Any, targets: Any, context: Context | None = None) -> Tensor | None:
         """One training step of this stage: 1F1B over the pipeline's micro-batches, then gradient sync.
 
-        ``inputs`` (first stage) and ``targets`` (last stage) are this pipeline's share of the global
-        batch (``global_batch[engine.batch_slice]``). Returns, on the last stage, this pipeline's part of
-        the global mean loss (the sum of its micro-batch losses times ``b / B``), else ``None``.
+        ``inputs`` (first stage), ``targets`` (last stage) and ``context`` (every stage: the side inputs the
+        layers take by name) are this pipeline's share of the global batch
+        (``global_batch[engine.batch_slice]``), each a tensor or a pytree of tensors. Returns, on the last
+        stage, this pipeline's part of the global mean loss (the sum of its micro-batch losses times
+        ``b / B``), else ``None``.
         """
         sync = self._grad_sync
         assert sync is not None
         loss = run_train(
             self._context,
-            self._split("inputs", inputs, self.is_first_stage),
-            self._split("targets", targets, self.is_last_stage),
-            self.microbatches,
+            self._microbatches(inputs, targets, context),
             self.loss_fn,
             self.plan.microbatch_size / self.plan.global_batch_size,
             before_last_backward=sync.arm,
@@ -187,13 +211,11 @@ class PipelineEngine:
         sync.finish(self.abort)
         return loss
 
-    def eval_step(self, inputs: Tensor | None, targets: Tensor | None) -> Tensor | None:
-        """Forward-only pipeline over this pipeline's share; same loss convention as :meth:`train_step`."""
+    def eval_step(self, inputs: Any, targets: Any, context: Context | None = None) -> Tensor | None:
+        """Forward-only pipeline over this pipeline's share; same arguments and loss as :meth:`train_step`."""
         return run_eval(
             self._context,
-            self._split("inputs", inputs, self.is_first_stage),
-            self._split("targets", targets, self.is_last_stage),
-            self.microbatches,
+            self._microbatches(inputs, targets, context),
             self.loss_fn,
             self.plan.microbatch_size / self.plan.global_batch_size,
         )
@@ -216,9 +238,9 @@ class PipelineEngine:
         )
         return self.groups.all_reduce(values, self.abort).tolist()
 
-    def evaluate(self, inputs: Tensor | None, targets: Tensor | None) -> Tensor:
+    def evaluate(self, inputs: Any, targets: Any, context: Context | None = None) -> Tensor:
         """:meth:`eval_step`, then the global mean loss (an all-reduce over every worker, abortable)."""
-        part = self.eval_step(inputs, targets)
+        part = self.eval_step(inputs, targets, context)
         loss = part.detach().reshape(1) if part is not None else torch.zeros(1, device=self.device)
         return self.groups.all_reduce(loss, self.abort)[0]
 

@@ -18,17 +18,19 @@ import statistics
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import TypeVar
+from typing import Any, TypeVar
 
 import torch
+import torch.utils._pytree as pytree
 from torch import Tensor, nn
 
 from lightning_oobleck.execution.memory import SavedTensorMeter
-from lightning_oobleck.execution.schedule import LossFn
+from lightning_oobleck.execution.schedule import Context, LossFn
 from lightning_oobleck.execution.stage import (
     LayerInit,
     LayerSource,
     build_stage,
+    forward_layers,
     reset_parameters,
     resolve_layers,
 )
@@ -39,7 +41,7 @@ T = TypeVar("T")
 
 def profile_layers(
     layers_or_factory: LayerSource,
-    example_input: Tensor,
+    example_input: Any,
     device: torch.device,
     dtype: torch.dtype | None = None,
     warmup: int = 2,
@@ -47,10 +49,12 @@ def profile_layers(
     cache_dir: str | Path | None = None,
     seed: int = 0,
     loss_fn: LossFn | None = None,
-    example_target: Tensor | None = None,
+    example_target: Any = None,
     init: LayerInit = reset_parameters,
+    example_context: Context | None = None,
 ) -> ModelProfile:
-    """Profile every layer for the micro-batch ``example_input`` (``[b, ...]``, the first layer's input).
+    """Profile every layer for the micro-batch ``example_input`` (the first layer's input: a tensor or a
+    pytree of tensors, ``[b, ...]`` each) with the side inputs ``example_context``.
 
     With ``loss_fn`` and ``example_target``, the loss counts as part of the last layer (its time, and
     the tensors it saves, which the last stage keeps per in-flight micro-batch); otherwise the last
@@ -59,11 +63,16 @@ def profile_layers(
     With ``cache_dir``, a profile measured earlier for the same layers (structure and parameter
     shapes), input shape and dtype, model dtype, device and torch version is returned from disk.
     """
-    key = _cache_key(layers_or_factory, example_input, device, dtype, warmup, repeat, loss_fn, example_target)
+    context = dict(example_context or {})
+    key = _cache_key(
+        layers_or_factory, (example_input, context), device, dtype, warmup, repeat, loss_fn, example_target
+    )
     cached = Path(cache_dir) / f"profile-{key[:20]}.json" if cache_dir is not None else None
     if cached is not None and cached.exists():
         return ModelProfile.load(cached)
-    x = example_input.to(device)
+    x = pytree.tree_map(lambda t: t.to(device), example_input)
+    context = pytree.tree_map(lambda t: t.to(device), context)
+    leaves = pytree.tree_leaves(example_input)
     layers = []
     last = len(resolve_layers(layers_or_factory)) - 1
     parameter_dtype = dtype or torch.get_default_dtype()
@@ -73,18 +82,18 @@ def profile_layers(
         parameter_dtype = next((p.dtype for p in layer.parameters()), parameter_dtype)
         loss = None
         if index == last and loss_fn is not None and example_target is not None:
-            target = example_target.to(device)
+            target = pytree.tree_map(lambda t: t.to(device), example_target)
             loss = lambda out, target=target: loss_fn(out, target)  # noqa: E731
-        profile, x = _profile_layer(layer, x, device, warmup, repeat, loss)
+        profile, x = _profile_layer(layer, x, context, device, warmup, repeat, loss)
         layers.append(profile)
         del layer
     dtype_name = str(parameter_dtype).removeprefix("torch.")
     result = ModelProfile(
         tuple(layers),
-        microbatch_size=example_input.shape[0],
+        microbatch_size=leaves[0].shape[0],
         device=torch.cuda.get_device_name(device) if device.type == "cuda" else device.type,
         dtype=dtype_name,
-        meta={"cache_key": key, "torch": torch.__version__, "input_shape": list(example_input.shape)},
+        meta={"cache_key": key, "torch": torch.__version__, "input_shape": list(leaves[0].shape)},
     )
     if cached is not None:
         cached.parent.mkdir(parents=True, exist_ok=True)
@@ -94,13 +103,13 @@ def profile_layers(
 
 def _cache_key(
     source: LayerSource,
-    example_input: Tensor,
+    examples: Any,
     device: torch.device,
     dtype: torch.dtype | None,
     warmup: int,
     repeat: int,
     loss_fn: LossFn | None,
-    example_target: Tensor | None,
+    example_target: Any,
 ) -> str:
     layers = resolve_layers(source)
     described = {
@@ -108,48 +117,65 @@ def _cache_key(
         "parameters": [
             [(n, list(p.shape), str(p.dtype)) for n, p in layer.named_parameters()] for layer in layers
         ],
-        "input": [list(example_input.shape), str(example_input.dtype)],
+        "input": _shapes(examples),
         "dtype": str(dtype),
         "device": torch.cuda.get_device_name(device) if device.type == "cuda" else device.type,
         "torch": torch.__version__,
         "repetitions": [warmup, repeat],
         "loss": None
         if loss_fn is None or example_target is None
-        else [getattr(loss_fn, "__qualname__", repr(loss_fn)), list(example_target.shape)],
+        else [getattr(loss_fn, "__qualname__", repr(loss_fn)), _shapes(example_target)],
     }
     return hashlib.sha256(json.dumps(described, sort_keys=True).encode()).hexdigest()
 
 
+def _shapes(tree: Any) -> str:
+    """A pytree's structure with the shapes and dtypes of its tensors."""
+    leaves, spec = pytree.tree_flatten(tree)
+    shapes = [[list(t.shape), str(t.dtype)] if isinstance(t, Tensor) else repr(t) for t in leaves]
+    return json.dumps([str(spec), shapes])
+
+
 def _profile_layer(
     layer: nn.Module,
-    x: Tensor,
+    x: Any,
+    context: Context,
     device: torch.device,
     warmup: int,
     repeat: int,
-    loss: Callable[[Tensor], Tensor] | None,
-) -> tuple[LayerProfile, Tensor]:
-    def forward() -> tuple[Tensor, Tensor]:
-        out = layer(x.detach().requires_grad_(x.is_floating_point()))
-        return out, (out if loss is None else loss(out))
+    loss: Callable[[Any], Tensor] | None,
+) -> tuple[LayerProfile, Any]:
+    def forward() -> tuple[Any, list[Tensor]]:
+        inputs = pytree.tree_map(lambda t: t.detach().requires_grad_(t.is_floating_point()), x)
+        out = forward_layers([layer], inputs, context)
+        if loss is not None:
+            return out, [loss(out)]
+        return out, [t for t in pytree.tree_leaves(out) if isinstance(t, Tensor) and t.requires_grad]
 
     forward_s, backward_s = [], []
     for rep in range(warmup + repeat):
         with SavedTensorMeter(exclude=layer.parameters()) as meter:
-            (out, root), t_fwd = _timed(forward, device)
+            (out, roots), t_fwd = _timed(forward, device)
         saved_bytes = meter.live_bytes
-        _, t_bwd = _timed(lambda root=root: root.backward(torch.ones_like(root)), device)
+        _, t_bwd = _timed(lambda roots=roots: _backward(roots), device)
         layer.zero_grad(set_to_none=True)
         if rep >= warmup:
             forward_s.append(t_fwd)
             backward_s.append(t_bwd)
+    sent = [t for t in pytree.tree_leaves(out) if isinstance(t, Tensor)]
     profile = LayerProfile(
         forward_s=statistics.median(forward_s),
         backward_s=statistics.median(backward_s),
         parameter_bytes=sum(p.numel() * p.element_size() for p in layer.parameters()),
-        output_activation_bytes=out.numel() * out.element_size(),
+        output_activation_bytes=sum(t.numel() * t.element_size() for t in sent),
         activation_bytes=saved_bytes,
     )
-    return profile, out.detach()
+    return profile, pytree.tree_map(lambda t: t.detach() if isinstance(t, Tensor) else t, out)
+
+
+def _backward(roots: list[Tensor]) -> None:
+    if roots:
+        torch.autograd.backward(roots, [torch.ones_like(r) for r in roots])
 
 
 def _timed(fn: Callable[[], T], device: torch.device) -> tuple[T, float]:

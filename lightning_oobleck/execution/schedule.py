@@ -15,16 +15,21 @@ from __future__ import annotations
 
 import threading
 from collections import deque
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import torch
-from torch import Tensor, nn
+from torch import Tensor
 
 from lightning_oobleck.execution.comm import CommWaiter
-from lightning_oobleck.execution.p2p import Inbox, Outbox, TensorMeta
+from lightning_oobleck.execution.p2p import Inbox, Outbox, TensorMeta, flatten
+from lightning_oobleck.execution.stage import StageModule
 
-LossFn = Callable[[Tensor, Tensor], Tensor]
+LossFn = Callable[[Any, Any], Tensor]
+Context = Mapping[str, Any]
+"""Side inputs of one micro-batch (``attention_mask``, ``position_ids``...), read from the data on every stage
+and handed to each layer whose ``forward`` takes a parameter of that name."""
 
 
 def one_f_one_b(num_stages: int, stage: int, microbatches: int) -> Iterator[tuple[str, int]]:
@@ -43,7 +48,7 @@ def one_f_one_b(num_stages: int, stage: int, microbatches: int) -> Iterator[tupl
 class StageContext:
     """Where a stage sits in its pipeline and how it talks to its neighbours during one step."""
 
-    module: nn.Module
+    module: StageModule
     num_stages: int
     stage: int
     prev_rank: int | None
@@ -53,85 +58,99 @@ class StageContext:
     abort: threading.Event
 
 
+@dataclass
+class Microbatch:
+    """What the data gives one micro-batch: ``inputs`` (first stage), ``targets`` (last stage) and the
+    ``context`` every stage reads."""
+
+    inputs: Any
+    targets: Any
+    context: Context
+
+
+@dataclass
+class _InFlight:
+    """A forwarded micro-batch awaiting its backward: the input leaves that need a gradient, the output
+    leaves that carry one back (or the loss), and their metadata as sent."""
+
+    inputs: list[Tensor]
+    outputs: list[Tensor]
+    sent: list[TensorMeta]
+
+
 class _Step:
-    """The state of one step of one stage: inboxes, outboxes and stashed micro-batches."""
+    """The state of one step of one stage: inboxes, outboxes and micro-batches in flight."""
 
     def __init__(
         self,
         ctx: StageContext,
-        inputs: Sequence[Tensor] | None,
-        targets: Sequence[Tensor] | None,
-        microbatches: int,
+        data: Sequence[Microbatch],
         loss_fn: LossFn,
         loss_scale: float,
     ) -> None:
         self.ctx = ctx
-        self.inputs = inputs
-        self.targets = targets
-        self.microbatches = microbatches
+        self.data = data
+        self.microbatches = len(data)
         self.loss_fn = loss_fn
         self.loss_scale = loss_scale
         self.loss_sum: Tensor | None = None
-        self.stash: deque[tuple[Tensor, Tensor]] = deque()
+        self.in_flight: deque[_InFlight] = deque()
         prev, nxt = ctx.prev_rank, ctx.next_rank
-        self.acts_in = None if prev is None else Inbox(prev, microbatches, ctx.device, ctx.waiter, ctx.abort)
-        self.acts_out = None if nxt is None else Outbox(nxt, ctx.device, ctx.waiter, ctx.abort, header=True)
-        self.grads_out = (
-            None if prev is None else Outbox(prev, ctx.device, ctx.waiter, ctx.abort, header=False)
-        )
-        self.grads_in: Inbox | None = None
+        args = (ctx.device, ctx.waiter, ctx.abort)
+        self.acts_in = None if prev is None else Inbox(prev, self.microbatches, *args, header=True)
+        self.acts_out = None if nxt is None else Outbox(nxt, *args, header=True)
+        self.grads_out = None if prev is None else Outbox(prev, *args, header=False)
+        self.grads_in = None if nxt is None else Inbox(nxt, self.microbatches, *args, header=False)
 
-    def stage_input(self, i: int, train: bool) -> Tensor:
+    def stage_input(self, i: int, train: bool) -> tuple[Any, list[Tensor]]:
+        """Micro-batch ``i``'s input and its leaves that carry a gradient back to the previous stage."""
         if self.acts_in is None:
-            assert self.inputs is not None
-            return self.inputs[i]
-        x = self.acts_in.get()
-        assert self.acts_in.meta is not None
-        if train and self.acts_in.meta.requires_grad:
-            x.requires_grad_(True)
-        return x
+            return self.data[i].inputs, []
+        x, metas = self.acts_in.get()
+        leaves = flatten(x)[0]
+        wants_grad = [t for t, m in zip(leaves, metas, strict=True) if train and m.requires_grad]
+        for t in wants_grad:
+            t.requires_grad_(True)
+        return x, wants_grad
 
     def forward(self, i: int, train: bool) -> None:
-        x = self.stage_input(i, train)
-        y = self.ctx.module(x)
+        x, x_grad = self.stage_input(i, train)
+        y = self.ctx.module(x, self.data[i].context)
         if self.acts_out is None:
-            assert self.targets is not None
-            loss = self.loss_fn(y, self.targets[i]) * self.loss_scale
+            loss = self.loss_fn(y, self.data[i].targets) * self.loss_scale
             self.loss_sum = loss.detach() if self.loss_sum is None else self.loss_sum + loss.detach()
-            y = loss
+            y_grad, sent = [loss], []
         else:
-            if not isinstance(y, Tensor):
-                layer = self.ctx.module.layer_indices[-1]
-                raise TypeError(
-                    f"layer {layer} returned a {type(y).__name__}, but its output goes to the next stage, "
-                    "which takes one tensor: structured outputs (tuples, dicts, model output objects) cannot "
-                    f"cross a stage boundary yet. Return the hidden states from layer {layer} (wrap a block "
-                    "that returns a tuple in an nn.Module whose forward returns block(x)[0])"
-                )
-            send_grad = train and y.requires_grad
-            self.acts_out.send(y, requires_grad=send_grad)
-            if send_grad and self.grads_in is None:
-                self.grads_in = self._gradient_inbox(self.acts_out.peer, y)
+            leaves, spec = flatten(y)
+            self._check_sendable(leaves)
+            grads = [train and t.requires_grad for t in leaves]
+            self.acts_out.send(leaves, spec, grads)
+            y_grad = [t for t, g in zip(leaves, grads, strict=True) if g]
+            sent = [TensorMeta.of(t, False) for t in y_grad]
         if train:
-            self.stash.append((x, y))
+            self.in_flight.append(_InFlight(x_grad, y_grad, sent))
 
-    def _gradient_inbox(self, peer: int, activation: Tensor) -> Inbox:
-        """Gradients of the activations sent to ``peer``: same shape and dtype, no header needed."""
-        meta = TensorMeta(tuple(activation.shape), activation.dtype, False)
-        return Inbox(
-            peer, self.microbatches, self.ctx.device, self.ctx.waiter, self.ctx.abort, meta, prefetch=False
-        )
+    def _check_sendable(self, leaves: list[Any]) -> None:
+        bad = [type(t).__name__ for t in leaves if not isinstance(t, Tensor)]
+        if bad:
+            layer = self.ctx.module.layer_indices[-1]
+            raise TypeError(
+                f"layer {layer} returned {bad[0]} values inside its output, which goes to the next stage: "
+                "only tensors (in tuples, lists or dicts) cross a stage boundary. Return tensors from layer "
+                f"{layer} (a constant belongs in the next layer's constructor; a per-batch value in the "
+                "batch's context, see PipelineModule.split_batch)"
+            )
 
     def backward(self) -> None:
-        x, y = self.stash.popleft()
+        done = self.in_flight.popleft()
         if self.acts_out is None:
-            y.backward()
-        elif y.requires_grad:
+            torch.autograd.backward(done.outputs)
+        elif done.outputs:
             assert self.grads_in is not None
-            torch.autograd.backward(y, self.grads_in.get())
-        if self.grads_out is not None and x.requires_grad:
-            assert x.grad is not None
-            self.grads_out.send(x.grad)
+            grads, _ = self.grads_in.get(done.sent)
+            torch.autograd.backward(done.outputs, grads)
+        if self.grads_out is not None and done.inputs:
+            self.grads_out.send([t.grad if t.grad is not None else torch.zeros_like(t) for t in done.inputs])
 
     def wait_sends(self) -> None:
         for box in (self.acts_out, self.grads_out):
@@ -141,9 +160,7 @@ class _Step:
 
 def run_train(
     ctx: StageContext,
-    inputs: Sequence[Tensor] | None,
-    targets: Sequence[Tensor] | None,
-    microbatches: int,
+    data: Sequence[Microbatch],
     loss_fn: LossFn,
     loss_scale: float,
     before_last_backward: Callable[[], None],
@@ -154,7 +171,8 @@ def run_train(
     The callbacks bracket the stage's last backward: the gradient sync starts inside it, bucket by
     bucket, and overlaps the rest of it, the earlier stages' backward and this stage's pending sends.
     """
-    step = _Step(ctx, inputs, targets, microbatches, loss_fn, loss_scale)
+    step = _Step(ctx, data, loss_fn, loss_scale)
+    microbatches = len(data)
     for action, i in one_f_one_b(ctx.num_stages, ctx.stage, microbatches):
         if action == "F":
             step.forward(i, train=True)
@@ -169,16 +187,14 @@ def run_train(
 
 def run_eval(
     ctx: StageContext,
-    inputs: Sequence[Tensor] | None,
-    targets: Sequence[Tensor] | None,
-    microbatches: int,
+    data: Sequence[Microbatch],
     loss_fn: LossFn,
     loss_scale: float,
 ) -> Tensor | None:
     """Forward every micro-batch without autograd; return the scaled loss sum (last stage)."""
-    step = _Step(ctx, inputs, targets, microbatches, loss_fn, loss_scale)
+    step = _Step(ctx, data, loss_fn, loss_scale)
     with torch.no_grad():
-        for i in range(microbatches):
+        for i in range(len(data)):
             step.forward(i, train=False)
     step.wait_sends()
     return step.loss_sum

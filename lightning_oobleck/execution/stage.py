@@ -1,7 +1,8 @@
 """Build the layers one worker owns, with global names and seed-determined initial weights.
 
-The model is an ordered sequence of layers (``nn.Module`` taking one tensor, returning one tensor), or
-a factory returning one; a factory is called on the meta device, so no rank materialises layers it does
+The model is an ordered sequence of layers (``nn.Module``; each takes the previous one's output, a tensor or a
+pytree of tensors, and may name side inputs of the micro-batch as ``forward`` parameters), or a factory
+returning one; a factory is called on the meta device, so no rank materialises layers it does
 not own. An owned layer is moved to the device and initialised by a :data:`LayerInit` under a seed derived
 from ``(seed, layer index)``: every layout, and the single-process reference (:func:`build_reference_model`),
 gets identical weights for layer ``i``. The default, :func:`reset_parameters`, calls ``reset_parameters()``
@@ -13,9 +14,12 @@ layer.apply(model._init_weights)``.
 
 from __future__ import annotations
 
+import functools
 import hashlib
+import inspect
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from itertools import chain
+from typing import Any
 
 import torch
 from torch import Tensor, nn
@@ -52,14 +56,31 @@ class StageModule(nn.Module):
         """Activation recomputation: under autograd, each layer keeps only its input and runs its forward
         again in the backward (``torch.utils.checkpoint``, non-reentrant; the RNG state is replayed)."""
 
-    def forward(self, x: Tensor) -> Tensor:
-        recompute = self.recompute and torch.is_grad_enabled()
-        for layer in self.layers.values():
-            x = checkpoint(layer, x, use_reentrant=False) if recompute else layer(x)
-        return x
+    def forward(self, x: Any, context: Mapping[str, Any] | None = None) -> Any:
+        return forward_layers(self.layers.values(), x, context, self.recompute and torch.is_grad_enabled())
 
     def layer(self, index: int) -> nn.Module:
         return self.layers[str(index)]
+
+
+def forward_layers(
+    layers: Iterable[nn.Module], x: Any, context: Mapping[str, Any] | None = None, recompute: bool = False
+) -> Any:
+    """The layers in order: each receives the previous one's output as it was returned, and the entries of
+    ``context`` that its ``forward`` names as parameters (keyword arguments)."""
+    context = context or {}
+    for layer in layers:
+        kwargs = {name: context[name] for name in context_parameters(type(layer)) if name in context}
+        x = checkpoint(layer, x, use_reentrant=False, **kwargs) if recompute else layer(x, **kwargs)
+    return x
+
+
+@functools.cache
+def context_parameters(layer_type: type[nn.Module]) -> frozenset[str]:
+    """The names a layer type's ``forward`` takes besides its first argument (where context entries go;
+    ``**kwargs`` takes none)."""
+    parameters = list(inspect.signature(layer_type.forward).parameters.values())[2:]  # self, the input
+    return frozenset(p.name for p in parameters if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY))
 
 
 def layer_seed(seed: int, layer: int) -> int:

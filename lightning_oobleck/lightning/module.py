@@ -27,9 +27,15 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 import torch
+import torch.utils._pytree as pytree
 from torch import Tensor, nn
 
-from lightning_oobleck.execution.stage import build_reference_model, reset_parameters, resolve_layers
+from lightning_oobleck.execution.stage import (
+    build_reference_model,
+    forward_layers,
+    reset_parameters,
+    resolve_layers,
+)
 
 _MINIMAL_EXAMPLE = """
     class MyModel(PipelineModule, L.LightningModule):
@@ -84,14 +90,23 @@ class PipelineModule:
         built on the meta device."""
         reset_parameters(layer, index)
 
-    def split_batch(self, batch: Any) -> tuple[Any, Any]:
-        """``(inputs, targets)`` of a batch (default: a pair). Inputs feed layer 0, targets the loss."""
+    def split_batch(self, batch: Any) -> tuple[Any, ...]:
+        """``(inputs, targets)`` or ``(inputs, targets, context)`` of a batch (default: the batch is a pair).
+
+        ``inputs`` feed layer 0 and ``targets`` the loss; ``context`` is a dict of side inputs (e.g.
+        ``attention_mask``, ``position_ids``) that every stage reads from its copy of the batch and hands
+        to each layer whose ``forward`` has a parameter of that name. Each may be a tensor or a pytree of
+        tensors with the samples along the first dimension. A dict batch takes one line::
+
+            return batch["input_ids"], batch["labels"], {"attention_mask": batch["attention_mask"]}
+        """
         try:
             inputs, targets = batch
         except (TypeError, ValueError) as e:
             raise TypeError(
                 f"{type(self).__name__}.split_batch expects batches as (inputs, targets) pairs; override "
-                "split_batch(self, batch) -> (inputs, targets) for other batch structures"
+                "split_batch(self, batch) -> (inputs, targets) or (inputs, targets, context) for other "
+                "batch structures"
             ) from e
         return inputs, targets
 
@@ -114,19 +129,16 @@ class PipelineModule:
             assign = True
         return super().load_state_dict(state_dict, strict=strict, assign=assign)  # type: ignore[misc]
 
-    def forward(self, inputs: Any) -> Any:
-        x = inputs
-        for layer in self.layers.values():
-            x = layer(x)
-        return x
+    def forward(self, inputs: Any, context: Mapping[str, Any] | None = None) -> Any:
+        return forward_layers(self.layers.values(), inputs, context)
 
     def pipeline_loss(self, batch: Any) -> Tensor:
         """The mean loss of ``batch``: forward (and, under the Oobleck strategy in training, backward too)."""
         executor = self._executor()
         if executor is not None:
             return executor.pipeline_loss(self, batch, train=self.training)
-        inputs, targets = self.split_batch(batch)
-        return self.compute_loss(self(inputs), targets)
+        inputs, targets, context = batch_parts(self, batch)
+        return self.compute_loss(self(inputs, context), targets)
 
     def training_step(self, batch: Any, batch_idx: int) -> Tensor:
         loss = self.pipeline_loss(batch)
@@ -156,6 +168,42 @@ class PipelineModule:
         trainer = getattr(self, "_trainer", None)
         strategy = getattr(trainer, "strategy", None)
         return strategy if isinstance(strategy, PipelineExecutor) else None
+
+
+def batch_parts(module: PipelineModule, batch: Any) -> tuple[Any, Any, Mapping[str, Any]]:
+    """``module.split_batch(batch)`` as ``(inputs, targets, context)``."""
+    parts = module.split_batch(batch)
+    if not isinstance(parts, tuple) or len(parts) not in (2, 3):
+        raise TypeError(
+            f"{type(module).__name__}.split_batch returned {type(parts).__name__}"
+            + (f" of {len(parts)}" if isinstance(parts, tuple) else "")
+            + ": return (inputs, targets) or (inputs, targets, context)"
+        )
+    context = parts[2] if len(parts) == 3 else {}
+    if not isinstance(context, Mapping) or not all(isinstance(k, str) for k in context):
+        raise TypeError(
+            f"{type(module).__name__}.split_batch returned a {type(context).__name__} context: make it a "
+            "dict from the names layers take in forward() to tensors, e.g. {'attention_mask': mask}"
+        )
+    return parts[0], parts[1], context
+
+
+def example_forward_args(module: PipelineModule) -> tuple[Any, Mapping[str, Any]]:
+    """``(inputs, context)`` of the module's ``example_input_array``: Lightning's convention, a tuple is the
+    positional arguments of ``forward(inputs, context)``; anything else is ``inputs``. Every tensor holds
+    one or more samples along its first dimension."""
+    example = getattr(module, "example_input_array", None)
+    args = example if isinstance(example, tuple) else (example,)
+    inputs, context = (*args, {})[:2] if len(args) in (1, 2) else (None, {})
+    leaves = pytree.tree_leaves((inputs, context))
+    usable = isinstance(context, Mapping) and bool(leaves)
+    if not usable or not all(isinstance(t, Tensor) and t.dim() > 0 and t.shape[0] > 0 for t in leaves):
+        raise ValueError(
+            "to plan, the strategy profiles every layer on one micro-batch: set self.example_input_array "
+            "in your module's __init__ to the inputs of one or more samples, or to (inputs, context) when "
+            "layers take side inputs, or give OobleckStrategy(profile_path=..., layout=..., plan_path=...)"
+        )
+    return inputs, context
 
 
 def as_pipeline_module(module: object) -> PipelineModule:

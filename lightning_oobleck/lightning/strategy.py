@@ -31,6 +31,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+import torch.utils._pytree as pytree
 from lightning.fabric.utilities.optimizer import _optimizers_to_device
 from lightning.fabric.utilities.types import ReduceOp
 from lightning.pytorch import LightningModule, Trainer
@@ -67,6 +68,7 @@ from lightning_oobleck.lightning.module import (
     PipelineExecutor,
     PipelineModule,
     as_pipeline_module,
+    example_forward_args,
     meta_layers,
 )
 from lightning_oobleck.lightning.plan_agreement import check_layout_size, configured_plan
@@ -326,28 +328,25 @@ class OobleckStrategy(ParallelStrategy, PipelineExecutor):
         if cfg.profile_path is not None:
             profile = ModelProfile.load(cfg.profile_path)
         else:
-            example = module.example_input_array
-            if not isinstance(example, Tensor) or example.dim() == 0 or example.shape[0] == 0:
-                raise ValueError(
-                    "to plan, the strategy profiles every layer on one micro-batch: set "
-                    "self.example_input_array to the inputs of one or more samples in your module's "
-                    "__init__, or give OobleckStrategy(profile_path=..., layout=..., plan_path=...)"
-                )
+            inputs, context = example_forward_args(module)
             # Profiles depend on shapes only: one sample, repeated to a micro-batch, in the dtype the layers
             # will see (the precision converts float inputs, e.g. float32 data under "64-true").
-            example = example[:1].expand(cfg.microbatch_size, *example.shape[1:]).clone()
-            example = self.precision_plugin.convert_input(example)
+            b = cfg.microbatch_size
+            inputs, context = self.precision_plugin.convert_input(
+                pytree.tree_map(lambda t: t[:1].expand(b, *t.shape[1:]).clone(), (inputs, context))
+            )
             cache = (
                 cfg.profile_cache_dir or Path(self.lightning_module.trainer.default_root_dir) / PROFILE_CACHE
             )
             with self.precision_plugin.tensor_init_context():
                 profile = profile_layers(
                     module.configure_layers,
-                    example,
+                    inputs,
                     self.root_device,
                     seed=module.init_seed,
                     cache_dir=cache,
                     init=module.init_layer,
+                    example_context=context,
                 )
         options = dict(cfg.planner)
         cluster = ClusterSpec(**options.pop("cluster", {}))

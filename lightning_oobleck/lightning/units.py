@@ -50,6 +50,7 @@ from lightning_oobleck.execution.engine import PipelineEngine
 from lightning_oobleck.execution.process_groups import backend_for
 from lightning_oobleck.execution.stage import StageModule
 from lightning_oobleck.lightning.data import DataPosition, PipelineDataLoader, share_of_pipeline
+from lightning_oobleck.lightning.module import batch_parts
 from lightning_oobleck.recovery.agent import WorkerAgent
 from lightning_oobleck.recovery.events import EventLog, RecoveryEvent
 from lightning_oobleck.recovery.runtime import Recovery, Unit
@@ -129,10 +130,7 @@ class FitUnits:
         def step(engine: PipelineEngine) -> list[float]:
             engine.module.zero_grad(set_to_none=True)
             current = self._current(batch, self.trainer.train_dataloader, position, 0)
-            inputs, targets = module.split_batch(current)
-            loss = engine.train_step(
-                inputs if engine.is_first_stage else None, targets if engine.is_last_stage else None
-            )
+            loss = engine.train_step(*batch_parts(module, current))
             return engine.commit(loss, float(self._sigterm))
 
         self.committed = self.run(step)
@@ -146,10 +144,7 @@ class FitUnits:
 
         def evaluate(engine: PipelineEngine) -> Tensor:
             current = self._current(batch, loader, DataPosition(epoch, batch_idx), dataloader_idx)
-            inputs, targets = module.split_batch(current)
-            return engine.evaluate(
-                inputs if engine.is_first_stage else None, targets if engine.is_last_stage else None
-            )
+            return engine.evaluate(*batch_parts(module, current))
 
         return self.run(evaluate)
 

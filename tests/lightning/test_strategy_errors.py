@@ -147,27 +147,35 @@ def test_errors_inside_the_workers_reach_the_caller_with_the_fix() -> None:
         )
 
 
-class TupleBlock(nn.Module):
-    """A block written the Hugging Face way: it returns a tuple."""
+class ScaleBlock(nn.Module):
+    """A block that returns a Python number beside its tensor."""
 
     def __init__(self) -> None:
         super().__init__()
         self.fc = nn.Linear(8, 8)
 
-    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, None]:
-        return torch.tanh(self.fc(x)), None
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, float]:
+        return torch.tanh(self.fc(x)), 0.5
 
 
-class TupleNet(TinyNet):
+class ScaledHead(nn.Linear):
+    def __init__(self) -> None:
+        super().__init__(8, 3)
+
+    def forward(self, x: tuple[torch.Tensor, float]) -> torch.Tensor:  # type: ignore[override]
+        return super().forward(x[0] * x[1])
+
+
+class ScaleNet(TinyNet):
     def configure_layers(self) -> list[nn.Module]:
-        return [nn.Linear(4, 8), TupleBlock(), nn.Linear(8, 3)]
+        return [nn.Linear(4, 8), ScaleBlock(), ScaledHead()]
 
 
 @pytest.mark.timeout(120)
 def test_a_layer_output_that_cannot_cross_a_stage_boundary_is_refused_by_name() -> None:
-    with pytest.raises(LaunchError, match=r"layer 1 returned a tuple, but its output goes to the next stage"):
+    with pytest.raises(LaunchError, match=r"layer 1 returned float values inside its output.*only tensors"):
         trainer(2, strategy(layout=[[0, 2, 3]], fault_tolerance=0)).fit(
-            TupleNet(), train_loader(torch.float32)
+            ScaleNet(), train_loader(torch.float32)
         )
 
 
