@@ -48,6 +48,7 @@ from torch.distributed.checkpoint.state_dict import (
 )
 from torch.optim import Optimizer
 
+from lightning_oobleck.execution.stage import StageModule
 from lightning_oobleck.planning.plan import Plan
 
 METADATA_FILE = "lightning.pt"
@@ -64,6 +65,20 @@ def layer_of(name: str) -> int | None:
     """The global layer index in a state-dict key (``layers.7.attn.weight`` -> 7), ``None`` outside layers."""
     match = _LAYER.search(name)
     return int(match.group(1)) if match else None
+
+
+def _canonical_names(module: nn.Module) -> Callable[[str], str]:
+    """Maps a state-dict key of ``module`` to the key it is checkpointed under: a tied parameter's other
+    names (``layers.11.lm_head.weight``, and its optimizer entries) become its canonical one."""
+    aliases = {
+        f"layers.{i}.{name}": tie.name
+        for tie in (module.ties if isinstance(module, StageModule) else ())
+        for i, name in tie.members[1:]
+    }
+    if not aliases:
+        return lambda key: key
+    pattern = re.compile(r"(?:^|(?<=\.))(" + "|".join(map(re.escape, aliases)) + r")(?=\.|$)")
+    return lambda key: pattern.sub(lambda m: aliases[m.group(1)], key)
 
 
 def shard_name(worker: tuple[int, int]) -> str:
@@ -110,8 +125,13 @@ def write_shard(
             f"checkpoint entries {outside[:3]} belong to no layer: a sharded checkpoint holds the pipeline's "
             "layers only (module parameters named layers.<index>.*)"
         )
+    canonical = _canonical_names(module)
     state = {
-        part: {k: v for k, v in entries.items() if is_writer_for_layer(layer_of(k))}  # type: ignore[arg-type]
+        part: {
+            k: v
+            for k, v in entries.items()
+            if canonical(k) == k and is_writer_for_layer(layer_of(k))  # type: ignore[arg-type]
+        }
         for part, entries in state.items()
     }
     written = sorted({layer_of(k) for entries in state.values() for k in entries})  # type: ignore[type-var]
@@ -197,7 +217,7 @@ def load_sharded(path: str | Path, module: nn.Module, optimizers: Iterable[Optim
 def load_sharded_model(path: str | Path, module: nn.Module) -> None:
     """Fill ``module``'s parameters and buffers from the checkpoint by their global names."""
     state = get_model_state_dict(module, options=_OPTIONS)
-    _load_by_layer(path, "model", state)
+    _load_by_layer(path, "model", state, _canonical_names(module))
     set_model_state_dict(module, state, options=_OPTIONS)
 
 
@@ -205,7 +225,7 @@ def load_sharded_optimizers(path: str | Path, module: nn.Module, optimizers: Ite
     """Restore each optimizer's state and hyper-parameters for the parameters it holds now."""
     optimizers = list(optimizers)
     state = get_optimizer_state_dict(module, optimizers, options=_OPTIONS)
-    _load_by_layer(path, "optim", state)
+    _load_by_layer(path, "optim", state, _canonical_names(module))
     set_optimizer_state_dict(module, optimizers, state, options=_OPTIONS)
 
 
@@ -220,8 +240,11 @@ def load_metadata(path: str | Path) -> dict[str, Any]:
     return torch.load(file, weights_only=False)
 
 
-def _load_by_layer(path: str | Path, part: str, state: dict[str, Any]) -> None:
-    """Load ``state``'s entries in place, each from the shard the index names for its layer."""
+def _load_by_layer(
+    path: str | Path, part: str, state: dict[str, Any], canonical: Callable[[str], str]
+) -> None:
+    """Load ``state``'s entries in place, each from the shard the index names for its layer (a tied
+    parameter's entries from its canonical name's)."""
     index_file = Path(path) / INDEX_FILE
     if not index_file.exists():
         raise FileNotFoundError(
@@ -231,14 +254,17 @@ def _load_by_layer(path: str | Path, part: str, state: dict[str, Any]) -> None:
     shards = json.loads(index_file.read_text())["layers"]
     wanted: dict[str, dict[str, Any]] = {}
     for key, value in state.items():
-        layer = layer_of(key)
+        saved = canonical(key)
+        layer = layer_of(saved)
         if str(layer) not in shards:
             raise KeyError(f"the checkpoint at {path} holds no layer {layer} (needed for {key!r})")
-        wanted.setdefault(shards[str(layer)], {})[key] = value
+        wanted.setdefault(shards[str(layer)], {})[saved] = value
     for shard, entries in wanted.items():
         with _one_process():
             dcp.load({part: entries}, checkpoint_id=Path(path) / SHARDS_DIR / shard, no_dist=True)
-        state.update(entries)
+    loaded = {saved: value for entries in wanted.values() for saved, value in entries.items()}
+    for key in state:
+        state[key] = loaded[canonical(key)]
 
 
 @contextmanager

@@ -31,6 +31,7 @@ from lightning_oobleck.execution.stage import (
     LayerSource,
     StageModule,
     build_stage,
+    find_ties,
     reset_parameters,
     resolve_layers,
 )
@@ -43,8 +44,14 @@ def pipeline_batch_slice(plan: Plan, pipeline: int) -> slice:
     return slice(mbs.start * plan.microbatch_size, mbs.stop * plan.microbatch_size)
 
 
-def check_plan(plan: Plan, num_layers: int) -> None:
+def check_plan(plan: Plan, num_layers: int, tied_layers: tuple[tuple[int, ...], ...] = ()) -> None:
     """Refuse a plan the model cannot run with, naming what to change."""
+    if plan.tied_layers != tied_layers:
+        raise ValueError(
+            f"the model ties parameters across layers {list(map(list, tied_layers))} but the plan was made "
+            f"for ties {list(map(list, plan.tied_layers))}: give the plan the model's ties "
+            "(dataclasses.replace(plan, tied_layers=...), as the strategy does)"
+        )
     b, big_b = plan.microbatch_size, plan.global_batch_size
     if b <= 0 or big_b % b != 0:
         raise ValueError(
@@ -96,8 +103,10 @@ class PipelineEngine:
         bucket_cap_bytes: int = DEFAULT_BUCKET_CAP_BYTES,
         init: LayerInit = reset_parameters,
     ) -> None:
-        self.num_layers = len(resolve_layers(layers_or_factory))
-        check_plan(groups.plan, self.num_layers)
+        layers = resolve_layers(layers_or_factory)
+        self.num_layers = len(layers)
+        self.tied_layers = tuple(tie.layers for tie in find_ties(layers))
+        check_plan(groups.plan, self.num_layers, self.tied_layers)
         self.loss_fn = loss_fn
         self.device = device
         self.abort = abort if abort is not None else threading.Event()
@@ -115,7 +124,7 @@ class PipelineEngine:
         is left as it is: whoever set it clears it once the new generation may run.
         """
         plan = groups.plan
-        check_plan(plan, self.num_layers)
+        check_plan(plan, self.num_layers, self.tied_layers)
         self.groups = groups
         self.plan = plan
         self.role = plan.role(*groups.worker)
@@ -144,11 +153,19 @@ class PipelineEngine:
         if self._grad_sync is not None:
             self._grad_sync.close()
         self._grad_sync = GradientSync(module, groups, self.bucket_cap_bytes)
+        # Each parameter counts once in the norm: on the lowest pipeline's replica of its layer (of a tie's
+        # canonical layer).
+        tied = module.tied()
+        tied_ids = {id(p) for p in tied}
         self._counted = [
             p
             for i in module.layer_indices
             if plan.layer_owners(i)[0] == groups.worker
             for p in module.layer(i).parameters()
+            if id(p) not in tied_ids
+        ]
+        self._counted += [
+            p for p, tie in tied.items() if plan.layer_owners(tie.layers[0])[0] == groups.worker
         ]
 
     @property

@@ -1,4 +1,5 @@
-"""Sum every layer's gradient over the pipelines holding a replica of it.
+"""Sum every layer's gradient over the pipelines holding a replica of it, and every tied parameter's over all
+the workers holding any of its layers (one all-reduce per tie, in the same step).
 
 Parameters of one stage whose layers share the same set of owners (one worker per pipeline) are
 bucketed into flat buffers (at most ``bucket_cap_bytes`` each) and all-reduced in the group of exactly
@@ -51,12 +52,14 @@ class GradientSync:
         self.buckets: list[_Bucket] = []
         open_buckets: dict[tuple[object, ...], _Bucket] = {}
         sizes: dict[int, int] = {}
+        tied = {id(p) for p in module.tied()}
         for index in reversed(module.layer_indices):
             owners = groups.plan.layer_owners(index)
             group = groups.grad_group(owners)
             if group is None:
                 continue
-            for p in reversed([p for p in module.layer(index).parameters() if p.requires_grad]):
+            layer = module.layer(index)
+            for p in reversed([p for p in layer.parameters() if p.requires_grad and id(p) not in tied]):
                 key = (owners, p.dtype, p.device)
                 bucket = open_buckets.get(key)
                 if bucket is None or sizes[id(bucket)] + p.numel() * p.element_size() > bucket_cap_bytes:
@@ -65,14 +68,20 @@ class GradientSync:
                     self.buckets.append(bucket)
                 bucket.params.append(p)
                 sizes[id(bucket)] += p.numel() * p.element_size()
-        for bucket in self.buckets:
-            p = bucket.params[0]
-            bucket.flat = torch.zeros(sum(q.numel() for q in bucket.params), dtype=p.dtype, device=p.device)
         self._handles: list[RemovableHandle] = [
             p.register_post_accumulate_grad_hook(lambda _p, b=bucket: self._on_gradient(b))
             for bucket in self.buckets
             for p in bucket.params
         ]
+        # Ties last, in the model's order on every rank (their owners sit on different stages, whose
+        # backwards end at different times): :meth:`flush` issues them after the stage's last backward.
+        for p, tie in module.tied().items():
+            group = groups.grad_group(groups.plan.tie_owners(tie.layers))
+            if group is not None and p.requires_grad:
+                self.buckets.append(_Bucket(group, [p], torch.empty(0)))
+        for bucket in self.buckets:
+            p = bucket.params[0]
+            bucket.flat = torch.zeros(sum(q.numel() for q in bucket.params), dtype=p.dtype, device=p.device)
         self._armed = False
         self._next = 0
         self._works: list[dist.Work] = []

@@ -2,9 +2,9 @@
 
 Every process that runs a worker of a plan creates one :class:`ProcessGroups`; it initialises the
 default group over the plan's workers (rank = position in ``plan.workers``) and one gradient group per
-distinct set of layer owners, and issues the generation's collectives through its abortable
-:class:`~lightning_oobleck.execution.comm.CommWaiter` (:meth:`ProcessGroups.all_reduce`). After a failure,
-recovery calls :meth:`ProcessGroups.abort` and creates the next generation in the same process; the
+distinct set of layer owners (and of a tie's owners), and issues the generation's collectives through its
+abortable :class:`~lightning_oobleck.execution.comm.CommWaiter` (:meth:`ProcessGroups.all_reduce`). After a
+failure, recovery calls :meth:`ProcessGroups.abort` and creates the next generation in the same process; the
 generation prefixes every key in the rendezvous store, so stale keys of an earlier generation can never be
 mistaken for new ones. This module is the only code that touches torch.distributed's private state
 (:func:`_forget_all_groups`).
@@ -85,10 +85,10 @@ class ProcessGroups:
         self._destroyed = False
 
     def _owner_rank_sets(self) -> list[tuple[int, ...]]:
-        sets = {
-            tuple(sorted(self._ranks[w] for w in self.plan.layer_owners(layer)))
-            for layer in range(self.plan.num_layers)
-        }
+        plan = self.plan
+        owner_sets = [plan.layer_owners(layer) for layer in range(plan.num_layers)]
+        owner_sets += [plan.tie_owners(layers) for layers in plan.tied_layers]
+        sets = {tuple(sorted(self._ranks[w] for w in owners)) for owners in owner_sets}
         return sorted(s for s in sets if len(s) > 1)
 
     def rank_of(self, worker: Worker) -> int:

@@ -18,6 +18,7 @@ import functools
 import hashlib
 import inspect
 from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import dataclass
 from itertools import chain
 from typing import Any
 
@@ -48,10 +49,12 @@ def reset_parameters(layer: nn.Module, index: int) -> None:
 class StageModule(nn.Module):
     """Some consecutive layers of the model, named by their global index (``layers.7.attn.weight``)."""
 
-    def __init__(self, layers: Mapping[int, nn.Module]) -> None:
+    def __init__(self, layers: Mapping[int, nn.Module], ties: Sequence[Tie] = ()) -> None:
         super().__init__()
         self.layer_indices = tuple(sorted(layers))
         self.layers = nn.ModuleDict({str(i): layers[i] for i in self.layer_indices})
+        self.ties = tie_parameters(layers, ties)
+        """The model's ties that touch these layers; the members held here are one ``nn.Parameter``."""
         self.recompute = False
         """Activation recomputation: under autograd, each layer keeps only its input and runs its forward
         again in the backward (``torch.utils.checkpoint``, non-reentrant; the RNG state is replayed)."""
@@ -61,6 +64,17 @@ class StageModule(nn.Module):
 
     def layer(self, index: int) -> nn.Module:
         return self.layers[str(index)]
+
+    def tied(self) -> dict[nn.Parameter, Tie]:
+        """The tied parameters held here and their tie."""
+        held = self.layer_indices
+        return {self.layer(i).get_parameter(n): t for t in self.ties for i, n in t.members if i in held}
+
+    def global_names(self) -> dict[nn.Parameter, str]:
+        """Each parameter held here once, by its global name (a tied one by its tie's canonical name, even
+        where its canonical layer is held elsewhere)."""
+        tied = self.tied()
+        return {p: tied[p].name if p in tied else name for name, p in self.named_parameters()}
 
 
 def forward_layers(
@@ -114,21 +128,52 @@ def resolve_layers(source: LayerSource) -> list[nn.Module]:
             "the model must be a non-empty sequence of nn.Module layers"
             + (f"; items {bad} are {type(layers[bad[0]]).__name__}" if bad else "")
         )
-    _refuse_shared_parameters(layers)
     return layers
 
 
-def _refuse_shared_parameters(layers: Sequence[nn.Module]) -> None:
-    owner: dict[int, tuple[int, str]] = {}
+@dataclass(frozen=True)
+class Tie:
+    """One parameter shared by several layers (a tied embedding and LM head): every ``(layer, name)`` that
+    holds it, in layer order. The first is its canonical name, which checkpoints and state copies use, and
+    whose layer's initialisation gives its initial value."""
+
+    members: tuple[tuple[int, str], ...]
+
+    @property
+    def layers(self) -> tuple[int, ...]:
+        return tuple(sorted({layer for layer, _ in self.members}))
+
+    @property
+    def name(self) -> str:
+        layer, name = self.members[0]
+        return f"layers.{layer}.{name}"
+
+
+def find_ties(layers: Sequence[nn.Module]) -> tuple[Tie, ...]:
+    """The parameters that more than one layer holds (the same ``nn.Parameter`` object), in order of their
+    first holder."""
+    holders: dict[int, list[tuple[int, str]]] = {}
     for i, layer in enumerate(layers):
         for name, p in layer.named_parameters(remove_duplicate=False):
-            first = owner.setdefault(id(p), (i, name))
-            if first[0] != i:
-                raise ValueError(
-                    f"parameter layers.{i}.{name} is the same tensor as layers.{first[0]}.{first[1]}: "
-                    "weights tied across layers are not supported; untie them (e.g. give the head its own "
-                    "weight) or keep both uses inside one layer"
-                )
+            holders.setdefault(id(p), []).append((i, name))
+    return tuple(Tie(tuple(m)) for m in holders.values() if len({layer for layer, _ in m}) > 1)
+
+
+def tie_parameters(layers: Mapping[int, nn.Module], ties: Sequence[Tie]) -> tuple[Tie, ...]:
+    """Make the members of each tie held in ``layers`` one ``nn.Parameter`` (the first held member's);
+    returns the ties that touch ``layers``."""
+    touching = tuple(t for t in ties if set(t.layers) & set(layers))
+    for tie in touching:
+        held = [(i, name) for i, name in tie.members if i in layers]
+        shared = layers[held[0][0]].get_parameter(held[0][1])
+        for i, name in held[1:]:
+            _set_parameter(layers[i], name, shared)
+    return touching
+
+
+def _set_parameter(layer: nn.Module, name: str, value: nn.Parameter) -> None:
+    owner, _, attribute = name.rpartition(".")
+    setattr(layer.get_submodule(owner), attribute, value)
 
 
 def build_stage(
@@ -139,13 +184,34 @@ def build_stage(
     dtype: torch.dtype | None = None,
     init: LayerInit = reset_parameters,
 ) -> StageModule:
-    """Materialise and initialise (``init``, seeded per layer) only ``layers`` of the model on ``device``."""
+    """Materialise and initialise (``init``, seeded per layer) only ``layers`` of the model on ``device``.
+
+    A tied parameter starts from the value its canonical layer's initialisation gives it, on every stage
+    that holds it (the canonical layer is built for the copy where it is held elsewhere)."""
     all_layers = resolve_layers(source)
     wanted = list(layers)
     missing = [i for i in wanted if not 0 <= i < len(all_layers)]
     if missing:
         raise ValueError(f"layers {missing} do not exist: the model has {len(all_layers)} layers")
-    return StageModule({i: _materialise(all_layers[i], i, device, seed, dtype, init) for i in wanted})
+    all_ties = find_ties(all_layers)
+    ties = [t for t in all_ties if set(t.layers) & set(wanted)]
+    canonical = {t.members[0][0] for t in ties}
+    # Canonical layers last: where the layers given share one Parameter, its last initialisation stays.
+    order = sorted(wanted, key=lambda i: i in canonical)
+    copies = {(i, name) for tie in ties for i, name in tie.members[1:]}  # their value is the canonical one
+    built = {
+        i: _materialise(all_layers[i], i, device, seed, dtype, init, {n for j, n in copies if j == i})
+        for i in order
+    }
+    for tie in ties:
+        (first, name), (layer, held) = tie.members[0], next(m for m in tie.members if m[0] in built)
+        if first not in built:
+            value = _materialise(all_layers[first], first, device, seed, dtype, init, set()).get_parameter(
+                name
+            )
+            with torch.no_grad():
+                built[layer].get_parameter(held).copy_(value)
+    return StageModule(built, all_ties)
 
 
 def build_reference_model(
@@ -160,7 +226,13 @@ def build_reference_model(
 
 
 def _materialise(
-    layer: nn.Module, index: int, device: torch.device, seed: int, dtype: torch.dtype | None, init: LayerInit
+    layer: nn.Module,
+    index: int,
+    device: torch.device,
+    seed: int,
+    dtype: torch.dtype | None,
+    init: LayerInit,
+    tied_copies: set[str],
 ) -> nn.Module:
     on_meta = any(t.is_meta for t in chain(layer.parameters(), layer.buffers()))
     if on_meta:
@@ -177,7 +249,7 @@ def _materialise(
         layer = layer.to(dtype)
     # Poison every value the initialisation must write, so a value nobody initialises is detected.
     checked = list(layer.named_parameters()) + (list(layer.named_buffers()) if on_meta else [])
-    checked = [(n, t) for n, t in checked if t.is_floating_point()]
+    checked = [(n, t) for n, t in checked if t.is_floating_point() and n not in tied_copies]
     with torch.no_grad():
         for _, t in checked:
             t.fill_(float("nan"))

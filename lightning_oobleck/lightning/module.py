@@ -32,9 +32,11 @@ from torch import Tensor, nn
 
 from lightning_oobleck.execution.stage import (
     build_reference_model,
+    find_ties,
     forward_layers,
     reset_parameters,
     resolve_layers,
+    tie_parameters,
 )
 
 _MINIMAL_EXAMPLE = """
@@ -127,7 +129,10 @@ class PipelineModule:
         if not hasattr(self, "layers") and any(k.startswith("layers.") for k in state_dict):
             self._build_all_layers()
             assign = True
-        return super().load_state_dict(state_dict, strict=strict, assign=assign)  # type: ignore[misc]
+        result = super().load_state_dict(state_dict, strict=strict, assign=assign)  # type: ignore[misc]
+        if assign:  # assigning replaced each name's parameter: tied layers share one again
+            tie_parameters({int(i): layer for i, layer in self.layers.items()}, find_ties(meta_layers(self)))
+        return result
 
     def forward(self, inputs: Any, context: Mapping[str, Any] | None = None) -> Any:
         return forward_layers(self.layers.values(), inputs, context)

@@ -55,6 +55,7 @@ from lightning_oobleck.execution.checkpoint import (
     load_sharded_optimizers,
 )
 from lightning_oobleck.execution.process_groups import backend_for, check_plan_size
+from lightning_oobleck.execution.stage import find_ties
 from lightning_oobleck.lightning.config import OobleckConfig, load_oobleck_config
 from lightning_oobleck.lightning.data import (
     DataPosition,
@@ -73,7 +74,7 @@ from lightning_oobleck.lightning.module import (
 )
 from lightning_oobleck.lightning.plan_agreement import check_layout_size, configured_plan
 from lightning_oobleck.lightning.precision import with_global_norm_clipping
-from lightning_oobleck.lightning.units import FitUnits, share_logger_versions
+from lightning_oobleck.lightning.units import FitUnits, check_tied_parameter_groups, share_logger_versions
 from lightning_oobleck.planning.plan import Plan
 from lightning_oobleck.recovery.agent import WorkerAgent, close_process_agent, process_agent
 from lightning_oobleck.recovery.protocol import ADDRESS_ENV, Timeouts
@@ -218,11 +219,14 @@ class OobleckStrategy(ParallelStrategy, PipelineExecutor):
         store = self._store = dist.PrefixStore(
             f"oobleck/run{next(_RUNS)}/", _connect_store(environment, self.config)
         )
-        num_layers, num_workers = len(meta_layers(module)), environment.world_size()
+        layers, num_workers = meta_layers(module), environment.world_size()
+        tied_layers = tuple(tie.layers for tie in find_ties(layers))
 
         def make_plan() -> Plan:
-            plan = configured_plan(self.config, num_layers, num_workers)
-            return check_plan_size(plan or self._planner_plan(module, num_workers), num_workers)
+            plan = configured_plan(self.config, len(layers), num_workers) or self._planner_plan(
+                module, num_workers
+            )
+            return check_plan_size(replace(plan, tied_layers=tied_layers), num_workers)
 
         backend = self.config.backend or backend_for(self.root_device)
         cfg = self.config
@@ -651,6 +655,8 @@ class OobleckStrategy(ParallelStrategy, PipelineExecutor):
             )
 
     def _check_optimizers(self) -> None:
+        for optimizer in self.optimizers:
+            check_tied_parameter_groups(self.lightning_module, optimizer, self.engine.module)
         owned = {id(p) for p in self._params()}
         for optimizer in self.optimizers:
             for group in optimizer.param_groups:

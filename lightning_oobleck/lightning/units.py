@@ -50,7 +50,7 @@ from lightning_oobleck.execution.engine import PipelineEngine
 from lightning_oobleck.execution.process_groups import backend_for
 from lightning_oobleck.execution.stage import StageModule
 from lightning_oobleck.lightning.data import DataPosition, PipelineDataLoader, share_of_pipeline
-from lightning_oobleck.lightning.module import batch_parts
+from lightning_oobleck.lightning.module import batch_parts, meta_layers
 from lightning_oobleck.recovery.agent import WorkerAgent
 from lightning_oobleck.recovery.events import EventLog, RecoveryEvent
 from lightning_oobleck.recovery.runtime import Recovery, Unit
@@ -276,15 +276,9 @@ class FitUnits:
 
     # ------------------------------------------------------------------ the recovery's host
     def build_optimizer(self, module: StageModule) -> torch.optim.Optimizer:
-        lightning_module = self.strategy.lightning_module
-        lightning_module.layers = module.layers
-        optimizers, _ = _init_optimizers_and_lr_schedulers(lightning_module)
-        if len(optimizers) != 1:
-            raise ValueError(
-                f"configure_optimizers returned {len(optimizers)} optimizers; the oobleck strategy supports "
-                "exactly one"
-            )
-        return optimizers[0]
+        optimizer = build_optimizer(self.strategy.lightning_module, module)
+        check_tied_parameter_groups(self.strategy.lightning_module, optimizer, module)
+        return optimizer
 
     def checkpoint_metadata(self) -> dict[str, Any]:
         """Lightning's checkpoint entries now, at the start of the interrupted unit: its loops count the
@@ -339,6 +333,55 @@ def continue_logger_runs(trainer: Trainer) -> None:
             if history is not None:
                 path.write_text(history)
                 writer.metrics_keys = sorted(next(csv.reader(io.StringIO(history)), []))
+
+
+def build_optimizer(lightning_module: Any, module: StageModule) -> torch.optim.Optimizer:
+    """The one optimizer ``configure_optimizers`` builds for the layers of ``module`` (which the Lightning
+    module holds from now on)."""
+    lightning_module.layers = module.layers
+    optimizers, _ = _init_optimizers_and_lr_schedulers(lightning_module)
+    if len(optimizers) != 1:
+        raise ValueError(
+            f"configure_optimizers returned {len(optimizers)} optimizers; the oobleck strategy supports "
+            "exactly one"
+        )
+    return optimizers[0]
+
+
+def check_tied_parameter_groups(
+    lightning_module: Any, optimizer: torch.optim.Optimizer, module: StageModule
+) -> None:
+    """Refuse a tied parameter whose optimizer settings here differ from those it gets with the whole model.
+
+    Its holders keep it identical only if they update it alike; a ``configure_optimizers`` that groups
+    parameters by name (decay / no-decay) may place it by the name it has where its canonical layer is not
+    held. The whole model is built on the meta device for the comparison."""
+    if not module.ties:
+        return
+    held = lightning_module.layers
+    whole = StageModule(dict(enumerate(meta_layers(lightning_module))), module.ties)
+    try:
+        reference = build_optimizer(lightning_module, whole)
+    finally:
+        lightning_module.layers = held
+    for param, tie in module.tied().items():
+        canonical = whole.layer(tie.members[0][0]).get_parameter(tie.members[0][1])
+        mine, expected = _group_settings(optimizer, param), _group_settings(reference, canonical)
+        if mine != expected:
+            others = ", ".join(f"layers.{i}.{n}" for i, n in tie.members[1:])
+            raise ValueError(
+                f"the tied parameter {tie.name} (also {others}) gets optimizer settings {mine} on this "
+                f"worker but {expected} in the whole model: configure_optimizers places it by a name that "
+                "differs where only some of its layers are held, so its copies would drift apart. Choose its "
+                "parameter group by module type, or by a rule that holds for every name of the tie"
+            )
+
+
+def _group_settings(optimizer: torch.optim.Optimizer, param: Tensor) -> dict[str, Any] | None:
+    for group in optimizer.param_groups:
+        if any(p is param for p in group["params"]):
+            return {k: v for k, v in group.items() if k != "params"}
+    return None
 
 
 def share_logger_versions(trainer: Trainer, units: FitUnits) -> None:

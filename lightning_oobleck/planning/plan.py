@@ -18,7 +18,7 @@ The JSON form (:meth:`Plan.to_dict`) is the schema printed by ``oobleck plan --j
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -146,6 +146,9 @@ class Plan:
     """Planner notes a user must see (e.g. a fault tolerance lowered after failures)."""
     extra: dict[str, Any] = field(default_factory=dict, compare=False, hash=False)
     """Planner inputs needed to replan from JSON alone (profile, options); opaque to execution."""
+    tied_layers: tuple[tuple[int, ...], ...] = ()
+    """The model's tied parameters, each as the layers that share it: a tie's gradient is summed over
+    every worker holding any of them (:meth:`tie_owners`)."""
 
     # ------------------------------------------------------------------ derived views
     @property
@@ -183,6 +186,10 @@ class Plan:
         """The workers holding a replica of ``layer``, one per pipeline, in pipeline order."""
         return tuple(p.worker_of_stage(si) for p in self.pipelines for si in self._stages_of(p, layer))
 
+    def tie_owners(self, layers: Sequence[int]) -> tuple[tuple[int, int], ...]:
+        """The workers holding any of ``layers`` (a tie), in rank order."""
+        return tuple(sorted({w for layer in layers for w in self.layer_owners(layer)}))
+
     @staticmethod
     def _stages_of(p: Pipeline, layer: int) -> Iterator[int]:
         for si, s in enumerate(p.stages):
@@ -211,6 +218,7 @@ class Plan:
             "iteration_time_s": self.iteration_time_s,
             "planning_s": self.planning_s,
             "warnings": list(self.warnings),
+            **({"tied_layers": [list(t) for t in self.tied_layers]} if self.tied_layers else {}),
             **({"extra": self.extra} if self.extra else {}),
         }
 
@@ -240,6 +248,7 @@ class Plan:
             planning_s=float(d.get("planning_s", 0.0)),
             warnings=tuple(str(w) for w in d.get("warnings", ())),
             extra=dict(d.get("extra", {})),
+            tied_layers=tuple(tuple(int(i) for i in t) for t in d.get("tied_layers", ())),
         )
 
     def to_json(self) -> str:

@@ -27,7 +27,7 @@ from __future__ import annotations
 import time
 from collections import Counter
 from collections.abc import Iterable, Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from typing import Any
 
 from lightning_oobleck.planning.node_spec import max_parts, split_into
@@ -192,6 +192,7 @@ def _finish(
         next_node_id,
         warnings,
     )
+    new_plan = replace(new_plan, tied_layers=plan.tied_layers)
     return Reconfiguration(new_plan, _copies(plan, new_plan, alive))
 
 

@@ -4,8 +4,9 @@ Given the copy list of :func:`~lightning_oobleck.planning.reconfigure.after_fail
 worker must newly hold, a surviving worker that held it, already spread over the replicas), every
 source sends, point to point on the *new* generation's default group, one message per receiving worker:
 the layers' parameters and buffers and the per-parameter optimizer state, keyed by global names
-(``layers.7.attn.weight``). The message is serialised with ``torch.save``, so any optimizer's state
-(AdamW's ``exp_avg``, ``exp_avg_sq``, ``step``, SGD's momentum...) passes unchanged. Layers a worker
+(``layers.7.attn.weight``; a tied parameter by its canonical name). The message is serialised with
+``torch.save``, so any optimizer's state (AdamW's ``exp_avg``, ``exp_avg_sq``, ``step``, SGD's momentum...)
+passes unchanged. Layers a worker
 keeps stay the very same tensors. Every wait is bounded and abortable (the generation's
 :class:`~lightning_oobleck.execution.comm.CommWaiter`): a failure during the copy raises
 :class:`~lightning_oobleck.execution.errors.PeerFailure` and leaves the worker's old state untouched.
@@ -38,7 +39,7 @@ Worker = tuple[int, int]
 
 def state_by_name(optimizer: torch.optim.Optimizer, module: StageModule) -> ParamState:
     """The optimizer's per-parameter state keyed by the global names of ``module``'s parameters."""
-    names = {id(p): name for name, p in module.named_parameters()}
+    names = {id(p): name for p, name in module.global_names().items()}
     foreign = [p for p in optimizer.state if id(p) not in names]
     if foreign:
         raise ValueError(
@@ -54,7 +55,7 @@ def load_state_by_name(optimizer: torch.optim.Optimizer, module: StageModule, st
     State tensors shaped like their parameter move to its device; the rest (e.g. AdamW's ``step``)
     stays where the optimizer keeps it.
     """
-    for name, p in module.named_parameters():
+    for p, name in module.global_names().items():
         if name in state:
             optimizer.state[p] = {
                 k: v.to(p.device) if isinstance(v, Tensor) and v.shape == p.shape else v
@@ -63,10 +64,11 @@ def load_state_by_name(optimizer: torch.optim.Optimizer, module: StageModule, st
 
 
 def _pack(module: StageModule, state: ParamState, layers: list[int]) -> bytes:
-    prefixes = tuple(f"layers.{i}." for i in layers)
+    names = module.global_names()
+    sent = {names[p] for i in layers for p in module.layer(i).parameters()}
     payload = {
         "layers": {i: module.layer(i).state_dict() for i in layers},
-        "optim": {name: s for name, s in state.items() if name.startswith(prefixes)},
+        "optim": {name: s for name, s in state.items() if name in sent},
     }
     buffer = io.BytesIO()
     torch.save(payload, buffer)
@@ -143,8 +145,9 @@ def transfer_state(
                 fresh.layer(i).load_state_dict(layer_state)
     layers = {i: module.layer(i) for i in new_layers if i in module.layer_indices}
     layers.update({i: fresh.layer(i) for i in fresh.layer_indices})
-    new_module = StageModule(layers)
-    names = {name for name, _ in new_module.named_parameters()}
+    ties = sorted(set(module.ties) | set(fresh.ties), key=lambda tie: tie.members)
+    new_module = StageModule(layers, ties)  # a tie's members held here are one parameter again
+    names = set(new_module.global_names().values())
     new_state = {name: s for name, s in state.items() if name in names}
     for payload in received:
         new_state.update(payload["optim"])

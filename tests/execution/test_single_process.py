@@ -115,14 +115,23 @@ def test_plan_for_another_model_and_wrong_batch_share_are_refused(groups: Proces
         engine.train_step(inputs, targets)
 
 
-def test_tied_and_uninitialised_parameters_are_refused() -> None:
+def test_a_tie_starts_from_its_canonical_layer_and_a_plan_without_it_is_refused(
+    groups: ProcessGroups,
+) -> None:
     layers = wl.model()
     layers[-1].lm_head.weight = layers[0].tokens.weight
+    head, embedding = build_stage(layers, [5], wl.CPU), build_stage(layers, [0], wl.CPU)
+    assert torch.equal(head.layer(5).lm_head.weight, embedding.layer(0).tokens.weight)
+    both = build_stage(layers, [0, 5], wl.CPU)
+    assert both.layer(5).lm_head.weight is both.layer(0).tokens.weight
+    assert torch.equal(both.layer(0).tokens.weight, embedding.layer(0).tokens.weight)
     with pytest.raises(
-        ValueError, match=r"layers.5.lm_head.weight is the same tensor as layers.0.tokens.weight"
+        ValueError, match=r"ties parameters across layers \[\[0, 5\]\] but the plan was made for ties \[\]"
     ):
-        build_stage(layers, [5], wl.CPU)
+        PipelineEngine(layers, gpt_loss, groups, wl.CPU)
 
+
+def test_uninitialised_parameters_are_refused() -> None:
     class Scale(nn.Module):
         def __init__(self) -> None:
             super().__init__()

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import json
+from dataclasses import replace
+
 import numpy as np
 import pytest
 
@@ -59,6 +62,8 @@ def test_json_round_trip_keeps_the_plan_and_its_inputs(plan13: Plan, tmp_path) -
     stage = d["templates"][0]["stages"][0]
     assert stage["layers"] == [0, stage["layers"][1]] and stage["node"] == 0
     assert {"template_nodes", "nodes", "microbatches"} <= set(d["pipelines"][0])
+    tied = replace(plan13, tied_layers=((0, 23), (2, 5)))
+    assert Plan.from_dict(json.loads(tied.to_json())) == tied
 
 
 def test_engine_style_call_with_counts_instead_of_a_cluster() -> None:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import itertools
 import time
+from dataclasses import replace
 
 import numpy as np
 import pytest
@@ -86,6 +87,31 @@ def test_every_failure_set_up_to_f_on_every_small_cluster(n0: int) -> None:
                     check_reconfiguration(plan, set(failed), after_failures(plan, failed))
                     checked += 1
     assert checked > 3000
+
+
+@pytest.mark.timeout(120)
+def test_every_failure_set_up_to_f_leaves_every_tie_a_live_replica_and_keeps_the_ties() -> None:
+    """A tied embedding and head (the first and the last layer) and a tie inside the model: after any
+    failure set of size <= f, each tie still has a surviving holder to copy from, every new holder of a
+    tied layer gets it from a survivor, and the new plan carries the ties (its tie groups are rebuilt)."""
+    checked = 0
+    for f in range(1, 4):
+        for nodes in range(f + 1, 13):
+            plan = _plan(1, nodes, f)
+            last = plan.num_layers - 1
+            plan = replace(plan, tied_layers=((0, last), (1, last // 2)))
+            for size in range(1, f + 1):
+                for failed in itertools.combinations(range(nodes), size):
+                    result = after_failures(plan, failed)
+                    assert result.plan.tied_layers == plan.tied_layers
+                    for tie in plan.tied_layers:
+                        live = [w for w in plan.tie_owners(tie) if w[0] not in failed]
+                        assert live, (tie, failed)
+                        assert len(result.plan.tie_owners(tie)) >= len(result.plan.pipelines)
+                    for c in result.copies:
+                        assert c.from_node not in failed
+                    checked += 1
+    assert checked > 500
 
 
 def test_a_lost_node_only_moves_layers_inside_its_pipeline() -> None:

@@ -200,10 +200,13 @@ def logged(out: Path, metric: str) -> dict[int, float]:
 @pytest.fixture(scope="module")
 def loop_reference(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     """Single-process Lightning on the same global batches and validation batches."""
-    out = tmp_path_factory.mktemp("loop-reference")
+    return reference_run(tmp_path_factory.mktemp("loop-reference"), RealisticNet())
+
+
+def reference_run(out: Path, model: L.LightningModule) -> dict[str, Any]:
+    """Train ``model`` in one process on the loop's global batches; its weights, LRs and logged losses."""
     train, val = float32_data(SAMPLES, 1), float32_data(VAL_SAMPLES, 2)
     rates = LearningRates()
-    model = RealisticNet()
     L.Trainer(devices=1, **loop_kwargs(out, [rates], checkpoints=False)).fit(
         model,
         DataLoader(train, batch_sampler=GlobalBatchSampler(SAMPLES, GLOBAL_BATCH, seed=SEED)),
@@ -297,7 +300,9 @@ def check_loop(
     assert sorted(w[0] for e in recoveries for w in e.removed) == sorted(dead - lost_before_start)
 
 
-def resume_check(out: Path, reference: dict[str, Any]) -> None:
+def resume_check(
+    out: Path, reference: dict[str, Any], module: type[L.LightningModule] = RealisticNet
+) -> None:
     """The run's last checkpoint resumes on another layout (a 2-stage pipeline beside a 1-stage one) to the
     reference's final weights."""
     resumed = out / "resumed"
@@ -307,6 +312,7 @@ def resume_check(out: Path, reference: dict[str, Any]) -> None:
         LoopFaults(resumed, {}),
         3,
         ckpt_path=str(out / "ckpt" / "epoch=1-step=8.ckpt"),
+        module=module(),
         layout=[[0, 3, 6], [0, 6]],
         fault_tolerance=0,
     )
