@@ -15,8 +15,6 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import os
-import signal
 from pathlib import Path
 from typing import Any
 
@@ -26,13 +24,11 @@ from data import CharWindows, make_corpus
 from model import GPTConfig, gpt_layers, gpt_loss
 from omegaconf import DictConfig, OmegaConf
 from rich.console import Console
-from rich.table import Table
 from torch import nn
 from torch.utils.data import DataLoader
 
 from lightning_oobleck.lightning import OobleckStrategy, PipelineModule
-from lightning_oobleck.planning.plan import Plan
-from lightning_oobleck.recovery import read_events
+from lightning_oobleck.lightning.callbacks import KillAt, PlanSummary
 
 DEFAULT_CONFIG = Path(__file__).with_name("config.yaml")
 
@@ -68,28 +64,6 @@ class GPT(PipelineModule, L.LightningModule):
         return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
 
 
-class PrintPlan(L.Callback):
-    """Print the plan the strategy runs, once, from global rank 0."""
-
-    def on_fit_start(self, trainer: L.Trainer, module: L.LightningModule) -> None:
-        if trainer.is_global_zero and isinstance(trainer.strategy, OobleckStrategy):
-            Console().print(plan_table(trainer.strategy.plan))
-
-
-class KillAt(L.Callback):
-    """SIGKILL the process started as global rank ``rank`` when training reaches step ``step``."""
-
-    def __init__(self, rank: int, step: int) -> None:
-        self.rank, self.step = rank, step
-
-    def on_train_batch_start(self, trainer: L.Trainer, *args: Any) -> None:
-        node, device = trainer.strategy._environment().worker
-        launch_rank = node * trainer.strategy.config.devices_per_node + device
-        if launch_rank == self.rank and trainer.global_step == self.step:
-            Console().print(f"[bold red]--kill-rank: SIGKILL to rank {self.rank} (pid {os.getpid()})")
-            os.kill(os.getpid(), signal.SIGKILL)
-
-
 class SaveAtEnd(L.Callback):
     """Save a sharded checkpoint when training ends, while the strategy's process groups still exist."""
 
@@ -98,49 +72,6 @@ class SaveAtEnd(L.Callback):
 
     def on_train_end(self, trainer: L.Trainer, module: L.LightningModule) -> None:
         trainer.save_checkpoint(self.path)  # collective: every rank writes its layers' shards
-
-
-class ShowRecovery(L.Callback):
-    """After a recovery, global rank 0 of the new generation prints its phases and the new plan."""
-
-    def __init__(self) -> None:
-        self.generation = 0
-
-    def on_train_batch_end(self, trainer: L.Trainer, *args: Any) -> None:
-        strategy = trainer.strategy
-        if not isinstance(strategy, OobleckStrategy) or strategy.engine.groups.generation == self.generation:
-            return
-        self.generation = strategy.engine.groups.generation
-        if trainer.is_global_zero:
-            assert strategy.recovery_events is not None
-            _, recoveries = read_events(strategy.recovery_events)
-            event = recoveries[-1]
-            phases = ", ".join(f"{k} {v * 1e3:.0f} ms" for k, v in event.durations().items())
-            Console().print(
-                f"[bold green]recovered at step {trainer.global_step}: lost {event.removed}, "
-                f"generation {event.generation}: {phases}"
-            )
-            Console().print(plan_table(strategy.plan))
-
-
-def plan_table(plan: Plan) -> Table:
-    table = Table(
-        title=f"Oobleck plan: {len(plan.pipelines)} pipelines, f={plan.fault_tolerance}, "
-        f"global batch {plan.global_batch_size} = {plan.num_microbatches} x {plan.microbatch_size}"
-    )
-    for name in ("pipeline", "nodes", "stages (layers per node)", "micro-batches", "samples"):
-        table.add_column(name, justify="left" if name.startswith("stages") else "right")
-    for i, p in enumerate(plan.pipelines):
-        stages = " | ".join(f"{s.first_layer}-{s.end_layer - 1}" for s in p.stages)
-        samples = plan.microbatch_range(i)
-        table.add_row(
-            str(i),
-            ", ".join(map(str, p.nodes)),
-            stages,
-            str(p.microbatches),
-            f"{samples.start * plan.microbatch_size}-{samples.stop * plan.microbatch_size - 1}",
-        )
-    return table
 
 
 def parse_args(argv: list[str] | None = None) -> tuple[argparse.Namespace, DictConfig]:
@@ -193,7 +124,7 @@ def loaders(cfg: DictConfig) -> tuple[DataLoader, DataLoader]:
 
 def main(argv: list[str] | None = None) -> None:
     args, cfg = parse_args(argv)
-    callbacks: list[L.Callback] = [PrintPlan(), ShowRecovery()]
+    callbacks: list[L.Callback] = [PlanSummary()]
     if args.kill_rank is not None:
         callbacks.append(KillAt(args.kill_rank, args.kill_at_step))
     if args.save is not None:

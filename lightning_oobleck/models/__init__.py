@@ -1,0 +1,1 @@
+"""Adapters from model libraries to pipeline layers (extras: ``pip install lightning-oobleck[hf]``)."""

@@ -1,0 +1,186 @@
+"""Hugging Face GPT-2 (tied embeddings) and Llama (rotary positions, left padding) as the example writes
+them (``examples/hf/train.py``), trained with ``strategy="oobleck"`` on 4 real processes: the weights equal
+the unmodified ``GPT2LMHeadModel`` / ``LlamaForCausalLM`` trained in one process on the same global batches
+from the same initial weights (float64, 1e-9), on two heterogeneous layouts and through a SIGKILL of the
+rank holding the LM head (GPT-2) or of rank 0 (Llama). The initial weights follow the model's own
+``_init_weights`` on every layout."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import lightning as L
+import pytest
+import torch
+from hf.train import CausalLM, Counting, model_config  # examples/ is on the path
+from torch import Tensor
+from torch.utils.data import DataLoader
+from transformers import AutoModelForCausalLM
+
+from lightning_oobleck.execution.stage import build_reference_model, build_stage
+from lightning_oobleck.lightning import GlobalBatchSampler, OobleckStrategy
+from lightning_oobleck.lightning.callbacks import KillAt
+from lightning_oobleck.lightning.units import EVENTS_FILE
+from lightning_oobleck.models.huggingface import causal_lm_layers, causal_lm_loss, hf_parameter_names
+from lightning_oobleck.planning.plan import Plan
+from lightning_oobleck.recovery import read_events
+
+CPU = torch.device("cpu")
+SEED, STEPS, GLOBAL, MICRO, SAMPLES, LR = 4, 5, 8, 2, 48, 3e-3
+LAYOUTS = {"1+3": ([[0, 6], [0, 2, 4, 6]], [1, 3]), "2+1+1": ([[0, 3, 6], [0, 6], [0, 6]], [2, 1, 1])}
+
+
+def initial_weights(name: str) -> dict[str, Tensor]:
+    """The weights every layout starts from (layers named ``layers.<i>.*``), float64."""
+    model = CausalLM(model_config(name))
+    with _float64():
+        return build_reference_model(model.configure_layers, CPU, init=model.init_layer).state_dict()
+
+
+def hf_names(name: str) -> dict[str, str]:
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(model_config(name))
+    return hf_parameter_names(model, causal_lm_layers(model))
+
+
+def unmodified_run(name: str) -> dict[str, Tensor]:
+    """The Hugging Face model itself, trained in one process: its final weights in pipeline names."""
+    with _float64():
+        model = AutoModelForCausalLM.from_config(model_config(name))
+    names = hf_names(name)
+    model.load_state_dict({names[k]: v for k, v in initial_weights(name).items()})
+    optimizer = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=0.0)
+    data = Counting(SAMPLES, seed=1)
+    sampler = GlobalBatchSampler(SAMPLES, GLOBAL, seed=SEED)
+    for step in range(STEPS):
+        epoch, index = divmod(step, len(sampler))
+        batch = torch.utils.data.default_collate([data[i] for i in sampler.global_batch(epoch, index)])
+        logits = model(
+            batch["input_ids"], attention_mask=batch["attention_mask"], position_ids=batch["position_ids"]
+        ).logits
+        causal_lm_loss(logits, batch["labels"]).backward()
+        optimizer.step()
+        optimizer.zero_grad()
+    theirs = model.state_dict()
+    return {ours: theirs[hf] for ours, hf in names.items()}
+
+
+@pytest.fixture(scope="module", params=["gpt2", "llama"])
+def reference(request: pytest.FixtureRequest) -> tuple[str, dict[str, Tensor]]:
+    return request.param, unmodified_run(request.param)
+
+
+def fit(name: str, tmp_path: Path, callbacks: list[L.Callback] = (), **strategy: Any) -> dict[str, Tensor]:
+    model = CausalLM(model_config(name), lr=LR)
+    trainer = L.Trainer(
+        accelerator="cpu",
+        devices=4,
+        precision="64-true",
+        strategy=OobleckStrategy(
+            global_batch_size=GLOBAL, microbatch_size=MICRO, seed=SEED, start_method="forkserver", **strategy
+        ),
+        max_steps=STEPS,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        num_sanity_val_steps=0,
+        default_root_dir=tmp_path,
+        callbacks=list(callbacks),
+    )
+    trainer.fit(model, DataLoader(Counting(SAMPLES, seed=1), batch_size=GLOBAL, shuffle=True))
+    assert trainer.global_step == STEPS
+    return model.state_dict()
+
+
+def assert_same(weights: dict[str, Tensor], expected: dict[str, Tensor]) -> None:
+    assert expected.keys() <= weights.keys()
+    for key, value in expected.items():
+        torch.testing.assert_close(weights[key], value, rtol=0, atol=1e-9, msg=key)
+
+
+@pytest.mark.timeout(180)
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+def test_trains_as_the_unmodified_model_in_one_process(layout: str, reference: tuple, tmp_path: Path) -> None:
+    name, expected = reference
+    bounds, microbatches = LAYOUTS[layout]
+    weights = fit(name, tmp_path, layout=bounds, microbatches=microbatches, collective_timeout_s=20)
+    assert_same(weights, expected)
+    if name == "gpt2":  # the tied LM head is the token embedding, one tensor
+        assert torch.equal(weights["layers.0.tokens.weight"], weights["layers.5.lm_head.weight"])
+
+
+@pytest.mark.timeout(180)
+def test_recovers_from_a_sigkill_to_the_weights_of_the_unmodified_model(
+    reference: tuple, tmp_path: Path
+) -> None:
+    """The planner's plan at a memory cap that makes two 2-stage pipelines (f = 1): the embedding on ranks
+    0 and 2, the LM head on 1 and 3. GPT-2 loses rank 1 (a head, holding the tie without its embedding),
+    Llama rank 0, at step 2."""
+    name, expected = reference
+    victim = {"gpt2": 1, "llama": 0}[name]
+    weights = fit(
+        name,
+        tmp_path,
+        [KillAt(victim, 2), FirstPlan(tmp_path)],
+        fault_tolerance=1,
+        planner={"cluster": {"device_memory_bytes": {"gpt2": 8e6, "llama": 6e6}[name]}},
+        collective_timeout_s=20,
+        heartbeat_timeout_s=8.0,
+    )
+    assert_same(weights, expected)
+    _, recoveries = read_events(tmp_path / EVENTS_FILE)
+    assert [event.removed for event in recoveries] == [[[victim, 0]]]
+    plan = Plan.load(tmp_path / "first-plan.json")
+    assert [[(s.first_layer, s.end_layer) for s in p.stages] for p in plan.pipelines] == [
+        [(0, 3), (3, 6)]
+    ] * 2
+
+
+class FirstPlan(L.Callback):
+    def __init__(self, out: Path) -> None:
+        self.out = out
+
+    def on_fit_start(self, trainer: L.Trainer, module: L.LightningModule) -> None:
+        if trainer.is_global_zero:
+            (self.out / "first-plan.json").write_text(trainer.strategy.plan.to_json())
+
+
+def test_initial_weights_follow_the_models_own_init_on_every_layout() -> None:
+    """Each parameter starts with the statistics the model's own ``_init_weights`` gives it (GPT-2: normal
+    0.02, residual projections 0.02 / sqrt(2 n_layer), LayerNorm ones and zeros), and layer ``i`` is the
+    same whatever else a process builds."""
+    for name in ("gpt2", "llama"):
+        ours = initial_weights(name)
+        with _float64():
+            theirs = AutoModelForCausalLM.from_config(model_config(name)).state_dict()
+        names = hf_names(name)
+        for key, value in ours.items():
+            own = theirs[names[key]]
+            if own.std() == 0:
+                assert torch.equal(value, own), key  # constant inits: ones, zeros
+            else:
+                assert value.mean().abs() < 0.01 and value.std() == pytest.approx(
+                    float(own.std()), rel=0.15
+                ), key
+        if name == "gpt2":
+            assert ours["layers.0.tokens.weight"].std() == pytest.approx(0.02, rel=0.1)
+            assert ours["layers.1.block.attn.c_proj.weight"].std() == pytest.approx(0.02 / 8**0.5, rel=0.15)
+        model = CausalLM(model_config(name))
+        with _float64():
+            for held in ([0], [2, 3], [5], [4, 5]):
+                stage = build_stage(model.configure_layers, held, CPU, init=model.init_layer)
+                for key, value in stage.state_dict().items():
+                    assert torch.equal(value, ours[key]), (name, held, key)
+
+
+class _float64:
+    """Build in float64, as ``precision="64-true"`` does."""
+
+    def __enter__(self) -> None:
+        self.default = torch.get_default_dtype()
+        torch.set_default_dtype(torch.float64)
+
+    def __exit__(self, *args: object) -> None:
+        torch.set_default_dtype(self.default)
