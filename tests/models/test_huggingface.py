@@ -7,6 +7,8 @@ rank holding the LM head (GPT-2) or of rank 0 (Llama). The initial weights follo
 
 from __future__ import annotations
 
+import subprocess
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -184,3 +186,17 @@ class _float64:
 
     def __exit__(self, *args: object) -> None:
         torch.set_default_dtype(self.default)
+
+
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize("name,victim", [("gpt2", 1), ("llama", 0)])
+def test_the_example_script_trains_and_survives_its_kill_flag(name: str, victim: int, tmp_path: Path) -> None:
+    script = Path(__file__).resolve().parents[2] / "examples" / "hf" / "train.py"
+    args = [f"--model={name}", "--max-steps=8", f"--kill-rank={victim}", "--kill-at-step=4"]
+    run = subprocess.run(
+        [sys.executable, str(script), *args], cwd=tmp_path, capture_output=True, text=True, timeout=220
+    )
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    assert "Oobleck plan: 2 pipelines, f=1" in run.stdout
+    assert f"recovered at step 5: lost [[{victim}, 0]]" in run.stdout
+    assert "done: 8 steps" in run.stdout
