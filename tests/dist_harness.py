@@ -20,6 +20,7 @@ from typing import Any
 
 from torch.distributed import TCPStore
 
+from lightning_oobleck.lightning.launcher import FORKSERVER_PRELOAD
 from lightning_oobleck.planning.plan import Pipeline, PipelineTemplate, Plan, Stage
 
 Task = Callable[..., Any]
@@ -41,9 +42,10 @@ class WorkerPool:
     """``size`` worker processes that run tasks on request."""
 
     def __init__(self, size: int) -> None:
-        # forkserver: torch is imported once in the server, each worker is a cheap fork of it
+        # forkserver: torch is imported once in the server, each worker is a cheap fork of it. The server is
+        # one per process and later tests launch Lightning workers from it: preload what they need too.
         ctx = mp.get_context("forkserver")
-        ctx.set_forkserver_preload(["torch", "torch.distributed", "lightning_oobleck.execution"])
+        ctx.set_forkserver_preload([*FORKSERVER_PRELOAD, "lightning_oobleck.execution"])
         self.store = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=timedelta(60))
         self._conns: list[Connection] = []
         self.procs: list[mp.process.BaseProcess] = []

@@ -78,8 +78,9 @@ log = logging.getLogger(__name__)
 _KILL_JOIN_TIMEOUT_S = 10.0
 _RELEASE_TIMEOUT_S = 300.0
 
-_FORKSERVER_PRELOAD = ("torch", "torch.distributed", "lightning.pytorch", "lightning_oobleck.lightning")
-"""Imported once by the fork server, so that forked workers start without importing them again."""
+FORKSERVER_PRELOAD = ("torch", "torch.distributed", "lightning.pytorch", "lightning_oobleck.lightning")
+"""Imported once by the fork server, so that forked workers start without importing them again. The fork
+server is one per process: whoever starts it first sets what it preloads."""
 """How long a started worker waits for the supervisor's store and services to come up."""
 _MAX_WAIT_S = 1.0
 """Longest single wait on worker sentinels, so that deadlines are checked at least this often."""
@@ -299,7 +300,7 @@ class OobleckLauncher(_Launcher):
         """Start every worker, blocked until :meth:`_release_workers` sends its environment."""
         context = multiprocessing.get_context(self.start_method)
         if self.start_method == "forkserver":
-            context.set_forkserver_preload(list(_FORKSERVER_PRELOAD))
+            context.set_forkserver_preload(list(FORKSERVER_PRELOAD))
         spawned = self.start_method != "fork"  # arguments travel pickled
         global_states = _GlobalStateSnapshot.capture() if spawned else None
         self.procs = {}

@@ -12,10 +12,34 @@ from torch import nn
 from torch.nn import functional as F
 from torch.utils.data import DataLoader, TensorDataset
 
-from lightning_oobleck.lightning import GlobalBatchSampler, PipelineModule
+from lightning_oobleck.lightning import GlobalBatchSampler, OobleckStrategy, PipelineModule
 
 NUM_LAYERS = 6
 GLOBAL_BATCH, MICRO = 8, 2
+QUIET: dict[str, Any] = dict(
+    accelerator="cpu",
+    logger=False,
+    enable_checkpointing=False,
+    enable_progress_bar=False,
+    enable_model_summary=False,
+    num_sanity_val_steps=0,
+)
+"""Trainer arguments of the tests: CPU, nothing printed or written unless a test asks."""
+
+
+def layout_strategy(
+    layout: list[list[int]], microbatches: list[int], seed: int, **options: Any
+) -> OobleckStrategy:
+    """The strategy on a hand-written layout of the test batch sizes."""
+    return OobleckStrategy(
+        global_batch_size=GLOBAL_BATCH,
+        microbatch_size=MICRO,
+        layout=layout,
+        microbatches=microbatches,
+        seed=seed,
+        start_method="forkserver",
+        **{"collective_timeout_s": 10, **options},
+    )
 
 
 class TinyNet(PipelineModule, L.LightningModule):

@@ -16,16 +16,13 @@ import torch
 from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.loggers import CSVLogger
 from pipeline_testing import (
-    GLOBAL_BATCH,
-    MICRO,
     HookRecorder,
     TinyNet,
+    layout_strategy,
     reference_train_loader,
     train_loader,
     val_loader,
 )
-
-from lightning_oobleck.lightning import OobleckStrategy
 
 SEED, STEPS, CLIP = 3, 7, 0.05  # 5 global batches per epoch: the run crosses into epoch 1
 
@@ -79,15 +76,7 @@ def logged(logs: Path) -> list[dict]:
 def test_fit_equals_single_process_training(name: str, reference: tuple, tmp_path: Path) -> None:
     ref_weights, ref_metrics, ref_record, ref_logged = reference
     layout, microbatches = LAYOUTS[name]
-    strategy = OobleckStrategy(
-        global_batch_size=GLOBAL_BATCH,
-        microbatch_size=MICRO,
-        layout=layout,
-        microbatches=microbatches,
-        seed=SEED,
-        start_method="forkserver",
-        collective_timeout_s=10,
-    )
+    strategy = layout_strategy(layout, microbatches, SEED)
     recorder = HookRecorder(tmp_path)
     model = TinyNet()
     trainer = L.Trainer(devices=4, strategy=strategy, **trainer_kwargs(recorder, tmp_path / "logs"))
@@ -133,16 +122,7 @@ def test_resume_into_another_layout_equals_the_uninterrupted_run(reference: tupl
     ref_weights = reference[0]
 
     def run(layout: str, steps: int, callbacks: list, ckpt_path: str | None = None) -> TinyNet:
-        layout_, microbatches = LAYOUTS[layout]
-        strategy = OobleckStrategy(
-            global_batch_size=GLOBAL_BATCH,
-            microbatch_size=MICRO,
-            layout=layout_,
-            microbatches=microbatches,
-            seed=SEED,
-            start_method="forkserver",
-            collective_timeout_s=10,
-        )
+        strategy = layout_strategy(*LAYOUTS[layout], SEED)
         kwargs = {
             **trainer_kwargs(HookRecorder(tmp_path / layout)),
             "max_steps": steps,

@@ -14,12 +14,12 @@ from typing import Any
 import lightning as L
 import pytest
 import torch
-from pipeline_testing import GLOBAL_BATCH, MICRO
+from pipeline_testing import GLOBAL_BATCH, QUIET, layout_strategy
 from torch import Tensor, nn
 from torch.nn import functional as F
 from torch.utils.data import DataLoader
 
-from lightning_oobleck.lightning import GlobalBatchSampler, OobleckStrategy, PipelineModule
+from lightning_oobleck.lightning import GlobalBatchSampler, PipelineModule
 
 SEED, STEPS, VOCAB, LENGTH, WIDTH = 5, 4, 11, 9, 6
 
@@ -117,16 +117,7 @@ def samples(n: int, seed: int) -> list[dict[str, Tensor]]:
 
 
 def kwargs() -> dict:
-    return dict(
-        accelerator="cpu",
-        precision="64-true",
-        max_steps=STEPS,
-        num_sanity_val_steps=0,
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-    )
+    return dict(QUIET, precision="64-true", max_steps=STEPS)
 
 
 @pytest.fixture(scope="module")
@@ -152,15 +143,7 @@ def test_pytree_activations_and_side_inputs_train_as_on_one_process(
     lengths = {int(s["attention_mask"].sum()) for s in samples(32, seed=1)}
     assert len(lengths) > 3
     ref_weights, ref_val = reference
-    strategy = OobleckStrategy(
-        global_batch_size=GLOBAL_BATCH,
-        microbatch_size=MICRO,
-        layout=layout,
-        microbatches=microbatches,
-        seed=SEED,
-        start_method="forkserver",
-        collective_timeout_s=10,
-    )
+    strategy = layout_strategy(layout, microbatches, SEED)
     model = MaskedSeqNet()
     trainer = L.Trainer(devices=4, strategy=strategy, limit_val_batches=2, **kwargs())
     trainer.fit(

@@ -16,7 +16,7 @@ import lightning as L
 import pytest
 import torch
 from lightning.pytorch.callbacks import ModelCheckpoint
-from pipeline_testing import GLOBAL_BATCH, MICRO
+from pipeline_testing import GLOBAL_BATCH, QUIET, layout_strategy
 from torch import Tensor, nn
 from torch.distributed.checkpoint import FileSystemReader
 from torch.nn import functional as F
@@ -92,30 +92,12 @@ def data(n: int = 40) -> TensorDataset:
 
 
 def kwargs(tmp_path: Path, steps: int = STEPS) -> dict:
-    return dict(
-        accelerator="cpu",
-        precision="64-true",
-        max_steps=steps,
-        num_sanity_val_steps=0,
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        callbacks=[TieGradients(tmp_path)],
-        default_root_dir=tmp_path,
-    )
+    callbacks = [TieGradients(tmp_path)]
+    return dict(QUIET, precision="64-true", max_steps=steps, callbacks=callbacks, default_root_dir=tmp_path)
 
 
 def strategy(layout: list[list[int]], microbatches: list[int]) -> OobleckStrategy:
-    return OobleckStrategy(
-        global_batch_size=GLOBAL_BATCH,
-        microbatch_size=MICRO,
-        layout=layout,
-        microbatches=microbatches,
-        seed=SEED,
-        start_method="forkserver",
-        collective_timeout_s=10,
-    )
+    return layout_strategy(layout, microbatches, SEED)
 
 
 @pytest.fixture(scope="module")
