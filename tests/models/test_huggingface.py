@@ -16,6 +16,7 @@ import lightning as L
 import pytest
 import torch
 from hf.train import CausalLM, Counting, model_config  # examples/ is on the path
+from lightning.pytorch.callbacks import ModelCheckpoint
 from torch import Tensor
 from torch.utils.data import DataLoader
 from transformers import AutoModelForCausalLM
@@ -73,7 +74,14 @@ def reference(request: pytest.FixtureRequest) -> tuple[str, dict[str, Tensor]]:
     return request.param, unmodified_run(request.param)
 
 
-def fit(name: str, tmp_path: Path, callbacks: list[L.Callback] = (), **strategy: Any) -> dict[str, Tensor]:
+def fit(
+    name: str,
+    tmp_path: Path,
+    callbacks: list[L.Callback] = (),
+    steps: int = STEPS,
+    ckpt_path: str | None = None,
+    **strategy: Any,
+) -> dict[str, Tensor]:
     model = CausalLM(model_config(name), lr=LR)
     trainer = L.Trainer(
         accelerator="cpu",
@@ -82,17 +90,19 @@ def fit(name: str, tmp_path: Path, callbacks: list[L.Callback] = (), **strategy:
         strategy=OobleckStrategy(
             global_batch_size=GLOBAL, microbatch_size=MICRO, seed=SEED, start_method="forkserver", **strategy
         ),
-        max_steps=STEPS,
+        max_steps=steps,
         logger=False,
-        enable_checkpointing=False,
+        enable_checkpointing=any(isinstance(c, ModelCheckpoint) for c in callbacks),
         enable_progress_bar=False,
         enable_model_summary=False,
         num_sanity_val_steps=0,
         default_root_dir=tmp_path,
         callbacks=list(callbacks),
     )
-    trainer.fit(model, DataLoader(Counting(SAMPLES, seed=1), batch_size=GLOBAL, shuffle=True))
-    assert trainer.global_step == STEPS
+    trainer.fit(
+        model, DataLoader(Counting(SAMPLES, seed=1), batch_size=GLOBAL, shuffle=True), ckpt_path=ckpt_path
+    )
+    assert trainer.global_step == steps
     return model.state_dict()
 
 
@@ -103,11 +113,22 @@ def assert_same(weights: dict[str, Tensor], expected: dict[str, Tensor]) -> None
 
 
 @pytest.mark.timeout(180)
-@pytest.mark.parametrize("layout", list(LAYOUTS))
-def test_trains_as_the_unmodified_model_in_one_process(layout: str, reference: tuple, tmp_path: Path) -> None:
+@pytest.mark.parametrize("layout,recompute", [("1+3", False), ("2+1+1", False), ("2+1+1", True)])
+def test_trains_as_the_unmodified_model_in_one_process(
+    layout: str, recompute: bool, reference: tuple, tmp_path: Path
+) -> None:
+    """On two layouts, and on one with every block recomputed in its backward (``torch.utils.checkpoint``
+    with the mask and positions as keyword arguments)."""
     name, expected = reference
     bounds, microbatches = LAYOUTS[layout]
-    weights = fit(name, tmp_path, layout=bounds, microbatches=microbatches, collective_timeout_s=20)
+    weights = fit(
+        name,
+        tmp_path,
+        layout=bounds,
+        microbatches=microbatches,
+        activation_checkpointing=recompute,
+        collective_timeout_s=20,
+    )
     assert_same(weights, expected)
     if name == "gpt2":  # the tied LM head is the token embedding, one tensor
         assert torch.equal(weights["layers.0.tokens.weight"], weights["layers.5.lm_head.weight"])
@@ -147,6 +168,21 @@ class FirstPlan(L.Callback):
     def on_fit_start(self, trainer: L.Trainer, module: L.LightningModule) -> None:
         if trainer.is_global_zero:
             (self.out / "first-plan.json").write_text(trainer.strategy.plan.to_json())
+
+
+@pytest.mark.timeout(180)
+def test_a_checkpoint_resumes_on_another_layout(reference: tuple, tmp_path: Path) -> None:
+    """Checkpointed after 2 steps on "1+3", resumed on "2+1+1": the unmodified model's weights (GPT-2's tie
+    is one entry of the checkpoint)."""
+    name, expected = reference
+    saver = ModelCheckpoint(dirpath=tmp_path / "ckpt", every_n_train_steps=2, save_top_k=-1)
+    fit(name, tmp_path / "first", [saver], 2, None, layout=LAYOUTS["1+3"][0], microbatches=LAYOUTS["1+3"][1])
+    checkpoint = str(tmp_path / "ckpt" / "epoch=0-step=2.ckpt")
+    bounds, microbatches = LAYOUTS["2+1+1"]
+    assert_same(
+        fit(name, tmp_path / "second", [], STEPS, checkpoint, layout=bounds, microbatches=microbatches),
+        expected,
+    )
 
 
 def test_initial_weights_follow_the_models_own_init_on_every_layout() -> None:
