@@ -8,7 +8,7 @@ heartbeats). This machine's cores are shared and its speed drifts between minute
 (one run of each strategy, back to back, the order alternating from pair to pair) and the ratio is taken
 per pair; the table gives the median ratio and its spread.
 
-    python benchmarks/lightning_overhead.py [--devices 2] [--steps 60] [--pairs 7]
+    python benchmarks/lightning_overhead.py [--devices 2] [--steps 200] [--pairs 7]
 """
 
 from __future__ import annotations
@@ -90,7 +90,7 @@ def main() -> None:
     )
     parser.add_argument("--devices", type=int, default=2)
     parser.add_argument("--global-batch", type=int, default=256)
-    parser.add_argument("--steps", type=int, default=60)
+    parser.add_argument("--steps", type=int, default=200)
     parser.add_argument("--warmup", type=int, default=5)
     parser.add_argument("--pairs", type=int, default=7)
     args = parser.parse_args()

@@ -41,7 +41,7 @@ def min_nodes(cost: CostModel) -> int:
             return n
     raise InfeasibleTemplateError(
         f"the model ({cost.num_layers} layers) does not fit on any number of nodes with "
-        f"{cost.cluster.gpus_per_node} GPU(s) of {cost.cluster.device_memory_bytes / 1e9:.1f} GB: use "
+        f"{cost.cluster.gpus_per_node} GPU(s) of {cost.cluster.device_memory_bytes / 1e9:.3g} GB: use "
         "devices with more memory, a smaller micro-batch, or fewer GPUs per node"
     )
 

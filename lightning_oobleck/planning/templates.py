@@ -150,7 +150,7 @@ def generate_template(cost: CostModel, num_nodes: int, microbatches: int) -> Pip
     if ranges is None:
         raise InfeasibleTemplateError(
             f"the model does not fit in {num_nodes} node(s) of {g} GPU(s) with "
-            f"{cost.cluster.device_memory_bytes / 1e9:.1f} GB each; use more nodes per pipeline"
+            f"{cost.cluster.device_memory_bytes / 1e9:.3g} GB each; use more nodes per pipeline"
         )
     stages = tuple(
         Stage(i, j, node=s // g, device=s % g, recompute=bool(recompute[s, i, j]))
