@@ -78,7 +78,9 @@ def profile_layers(
     parameter_dtype = dtype or torch.get_default_dtype()
     for index in range(last + 1):
         # One layer on the device at a time: a model larger than the device can be profiled.
-        layer = build_stage(layers_or_factory, [index], device, seed, dtype, init).layer(index)
+        layer = build_stage(layers_or_factory, [index], device, seed, dtype, init, tied_values=False).layer(
+            index
+        )
         parameter_dtype = next((p.dtype for p in layer.parameters()), parameter_dtype)
         loss = None
         if index == last and loss_fn is not None and example_target is not None:

@@ -183,11 +183,14 @@ def build_stage(
     seed: int = 0,
     dtype: torch.dtype | None = None,
     init: LayerInit = reset_parameters,
+    tied_values: bool = True,
 ) -> StageModule:
     """Materialise and initialise (``init``, seeded per layer) only ``layers`` of the model on ``device``.
 
     A tied parameter starts from the value its canonical layer's initialisation gives it, on every stage
-    that holds it (the canonical layer is built for the copy where it is held elsewhere)."""
+    that holds it (the canonical layer is built for the copy where it is held elsewhere).
+    ``tied_values=False`` skips that copy, for a caller that needs the layers' shapes and speed but not
+    their values (profiling: only the layers asked for then exist)."""
     all_layers = resolve_layers(source)
     wanted = list(layers)
     missing = [i for i in wanted if not 0 <= i < len(all_layers)]
@@ -205,7 +208,7 @@ def build_stage(
     }
     for tie in ties:
         (first, name), (layer, held) = tie.members[0], next(m for m in tie.members if m[0] in built)
-        if first not in built:
+        if first not in built and tied_values:
             value = _materialise(all_layers[first], first, device, seed, dtype, init, set()).get_parameter(
                 name
             )

@@ -4,6 +4,8 @@ layer ``i`` gets the same weights whatever else a process builds."""
 
 from __future__ import annotations
 
+from typing import Any
+
 import pytest
 import torch
 from torch import nn
@@ -84,8 +86,17 @@ def test_an_init_that_misses_a_parameter_is_refused_by_name() -> None:
         build_stage(layers, [4], CPU, init=only_weights)
 
 
-def test_the_profiler_materialises_one_layer_at_a_time() -> None:
-    """A model larger than the device can be profiled: never two of its layers exist at once."""
+def tied_layers() -> list[nn.Module]:
+    """``layers`` with the output projection tied to the embedding."""
+    model = layers()
+    model[-1].weight = model[0].weight
+    return model
+
+
+@pytest.mark.parametrize("source", [layers, tied_layers], ids=["untied", "tied"])
+def test_the_profiler_materialises_one_layer_at_a_time(source: Any) -> None:
+    """A model larger than the device can be profiled: never two of its layers exist at once, a tied head's
+    embedding included."""
     import gc
     import weakref
 
@@ -102,6 +113,6 @@ def test_the_profiler_materialises_one_layer_at_a_time() -> None:
         live.add(layer)
         most = max(most, len(live))
 
-    profile = profile_layers(layers, torch.randint(0, 100, (4,)), CPU, repeat=1, warmup=0, init=counting)
+    profile = profile_layers(source, torch.randint(0, 100, (4,)), CPU, repeat=1, warmup=0, init=counting)
     assert profile.num_layers == 5 and most == 1
     assert profile.layers[4].parameter_bytes == (64 * 100 + 100) * 4
