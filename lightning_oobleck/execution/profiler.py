@@ -78,9 +78,8 @@ def profile_layers(
     parameter_dtype = dtype or torch.get_default_dtype()
     for index in range(last + 1):
         # One layer on the device at a time: a model larger than the device can be profiled.
-        layer = build_stage(layers_or_factory, [index], device, seed, dtype, init, tied_values=False).layer(
-            index
-        )
+        stage = build_stage(layers_or_factory, [index], device, seed, dtype, init, tied_values=False)
+        layer = stage.layer(index)
         parameter_dtype = next((p.dtype for p in layer.parameters()), parameter_dtype)
         loss = None
         if index == last and loss_fn is not None and example_target is not None:
@@ -88,7 +87,7 @@ def profile_layers(
             loss = lambda out, target=target: loss_fn(out, target)  # noqa: E731
         profile, x = _profile_layer(layer, x, context, device, warmup, repeat, loss)
         layers.append(profile)
-        del layer
+        del layer, stage
     dtype_name = str(parameter_dtype).removeprefix("torch.")
     result = ModelProfile(
         tuple(layers),
