@@ -119,7 +119,11 @@ def loaders(cfg: DictConfig) -> tuple[DataLoader, DataLoader]:
     batch = cfg.strategy.global_batch_size
     train = CharWindows(text[:split], cfg.model.seq_len)
     val = CharWindows(text[split:], cfg.model.seq_len)
-    return DataLoader(train, batch_size=batch, shuffle=True), DataLoader(val, batch_size=batch)
+    workers = cfg.data.get("num_workers", 0)
+    return (
+        DataLoader(train, batch_size=batch, shuffle=True, num_workers=workers),
+        DataLoader(val, batch_size=batch, num_workers=workers),
+    )
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -147,6 +147,31 @@ def _wait_for_end(job_id: str, timeout_s: float = JOB_TIMEOUT_S) -> list[JobReco
     raise TimeoutError(f"job {job_id} did not end in {timeout_s:.0f} s")
 
 
+def _assert_no_process_outlives(job_id: str, timeout_s: float = 30.0) -> None:
+    """No process of the job is left on any node (they all run on this machine), by PID: the tasks of the
+    crashed node, the survivors, their children and the batch host's rendezvous included."""
+    marker = f"SLURM_JOB_ID={job_id}".encode()
+    deadline = time.monotonic() + timeout_s
+    while True:
+        left = []
+        for entry in os.listdir("/proc"):
+            if not entry.isdigit() or int(entry) == os.getpid():
+                continue
+            try:
+                environ = Path(f"/proc/{entry}/environ").read_bytes().split(b"\0")
+                state = Path(f"/proc/{entry}/stat").read_text().rsplit(")", 1)[1].split()[0]
+            except OSError:
+                continue
+            if marker in environ and state != "Z":
+                left.append(
+                    (int(entry), Path(f"/proc/{entry}/cmdline").read_bytes().replace(b"\0", b" ")[:120])
+                )
+        if not left or time.monotonic() > deadline:
+            break
+        time.sleep(0.5)
+    assert not left, f"processes of job {job_id} outlive it: {left}"
+
+
 def _assert_steps_once(out: Path) -> list[dict]:
     """Every optimizer step counted exactly once (a step interrupted by a crash is redone, not repeated)."""
     steps = [e for e in events(out) if e["kind"] == "step"]
@@ -259,11 +284,12 @@ def test_two_tasks_per_node_survive_a_real_node_crash_with_the_reference_weights
     cluster: Cluster, tmp_path: Path, reference: dict[str, torch.Tensor]
 ) -> None:
     """The README's multi-node shape on CPU: 3 nodes x 2 tasks, defaults (a node of the job is one failure
-    domain, ``devices_per_node`` follows SLURM). A node crash takes both of its tasks at once; the survivors
-    recover in place and end with the reference weights."""
+    domain, ``devices_per_node`` follows SLURM), a DataLoader worker per task. A node crash takes both of
+    its tasks at once; the survivors recover in place and end with the reference weights, and no process of
+    the job (tasks, loader workers, the batch host's rendezvous) outlives it."""
     out = tmp_path / "out"
     out.mkdir()
-    args = [*training_args(out), "trainer.devices=2", "trainer.num_nodes=3"]
+    args = [*training_args(out), "trainer.devices=2", "trainer.num_nodes=3", "data.num_workers=1"]
     config = SubmitConfig(
         nodes=3, tasks_per_node=2, time="5", log_dir=str(tmp_path / "logs"), job_name="crash-2-tasks",
         script=str(EXAMPLE), args=args,
@@ -277,6 +303,7 @@ def test_two_tasks_per_node_survive_a_real_node_crash_with_the_reference_weights
         node = cluster_node_id(victim)
         assert sorted(recovery["removed"]) == [[node, 0], [node, 1]]
         _assert_reference_weights(out, reference)
+        _assert_no_process_outlives(job.job_id)
     finally:
         watch.join(timeout=90)
         cluster.restart(victim)
