@@ -35,6 +35,7 @@ from lightning_oobleck.planning.plan import Pipeline, PipelineTemplate, Plan, St
 
 MICRO, MICROBATCHES, LENGTH, WIDTH = 4, 8, 128, 256
 CPU = torch.device("cpu")
+KINDS = ("plain", "pytree", "context")
 
 
 class Emulated(nn.Module):
@@ -71,7 +72,7 @@ class Context(Emulated):
 
 
 def model(kind: str, layers: int, seconds: float) -> list[nn.Module]:
-    cls = {"plain": Plain, "pytree": Tree, "context": Context}[kind]
+    cls = dict(zip(KINDS, (Plain, Tree, Context), strict=True))[kind]
     return [cls(seconds) for _ in range(layers)]
 
 
@@ -95,7 +96,9 @@ def plan(stages: int) -> Plan:
     )
 
 
-def worker(index: int, port: int, stages: int, seconds: float, steps: int, rounds: int, out: Any) -> None:
+def worker(
+    index: int, port: int, stages: int, seconds: float, steps: int, rounds: int, kinds: list[str], out: Any
+) -> None:
     torch.set_num_threads(1)
     store = TCPStore("127.0.0.1", port, is_master=False, timeout=timedelta(seconds=120))
     the_plan = plan(stages)
@@ -107,10 +110,12 @@ def worker(index: int, port: int, stages: int, seconds: float, steps: int, round
         "position_ids": torch.arange(LENGTH).expand(size, LENGTH).clone(),
     }
     runs = {}
-    for kind in ("plain", "pytree", "context"):
+    for kind in kinds:
         engine = PipelineEngine(lambda kind=kind: model(kind, 2 * stages, seconds), loss, groups, CPU)
         side = context if kind == "context" else None
-        runs[kind] = lambda engine=engine, side=side: engine.train_step(inputs, targets, side)
+        runs[kind] = lambda engine=engine, side=side: engine.train_step(
+            inputs, targets, *([side] if side else [])
+        )
     timings: dict[str, list[float]] = {kind: [] for kind in runs}
     for step in runs.values():
         step()  # warm-up
@@ -154,6 +159,7 @@ def main() -> None:
     parser.add_argument("--layer-ms", type=float, nargs="+", default=[2.0, 0.0])
     parser.add_argument("--steps", type=int, default=5)
     parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--kinds", nargs="+", default=["plain", "pytree", "context"], choices=KINDS)
     args = parser.parse_args()
     table = Table(
         title=f"1 pipeline of {args.stages} emulated stages, {MICROBATCHES} micro-batches of "
@@ -169,7 +175,8 @@ def main() -> None:
         out = ctx.Queue()
         procs = [
             ctx.Process(
-                target=worker, args=(i, store.port, args.stages, layer_ms / 1e3, args.steps, args.rounds, out)
+                target=worker,
+                args=(i, store.port, args.stages, layer_ms / 1e3, args.steps, args.rounds, args.kinds, out),
             )
             for i in range(args.stages)
         ]
@@ -178,7 +185,7 @@ def main() -> None:
         results = dict(out.get(timeout=300) for _ in procs)
         for p in procs:
             p.join()
-        step = {kind: statistics.median(results[0][kind]) for kind in ("plain", "pytree", "context")}
+        step = {kind: statistics.median(results[0][kind]) for kind in args.kinds}
         for kind, seconds in step.items():
             extra = (seconds - step["plain"]) / MICROBATCHES * 1e6
             table.add_row(
