@@ -9,9 +9,13 @@ the same shape, timed in alternating rounds in the same processes:
 * ``pytree``: layers pass ``{"hidden": [b, t, d], "mask": bool [b, t], "ids": int [b, t]}``;
 * ``context``: layers pass one tensor and take ``attention_mask`` and ``position_ids`` from the context.
 
-With ``--layer-ms 0`` the step is all transfers and bookkeeping: the per-micro-batch cost of the headers.
+With ``--layer-ms 0`` the step is all transfers and bookkeeping. ``--kinds plain`` times the plain path
+alone, which also runs on the engine from before structured activations (2d6c51c), for a comparison in
+alternating runs:
 
     python benchmarks/structured_activations.py [--stages 4] [--layer-ms 2] [--steps 5] [--rounds 5]
+    git worktree add /tmp/before 2d6c51c
+    PYTHONPATH=/tmp/before python benchmarks/structured_activations.py --kinds plain
 """
 
 from __future__ import annotations
@@ -127,28 +131,8 @@ def worker(
                 step()
             dist.barrier()
             timings[kind].append((time.perf_counter() - start) / steps)
-    timings.update(header_cost(groups))
     groups.destroy()
     out.put((index, timings))
-
-
-def header_cost(groups: ProcessGroups, messages: int = 200) -> dict[str, list[float]]:
-    """Seconds per activation sent from rank 0 to rank 1 and acknowledged, without and with the header
-    the plain-tensor path now sends before it (its shape, dtype and gradient flag: 11 int64)."""
-    if groups.rank > 1:
-        return {}
-    activation = torch.zeros(MICRO, LENGTH, WIDTH)
-    header, ack = torch.zeros(11, dtype=torch.int64), torch.zeros(1)
-    timings: dict[str, list[float]] = {}
-    for _ in range(3):
-        for name, parts in (("activation", [activation]), ("header + activation", [header, activation])):
-            start = time.perf_counter()
-            for _ in range(messages):
-                for t in parts:
-                    (dist.send if groups.rank == 0 else dist.recv)(t, 1 - groups.rank)
-                (dist.recv if groups.rank == 0 else dist.send)(ack, 1 - groups.rank)
-            timings.setdefault(name, []).append((time.perf_counter() - start) / messages)
-    return timings
 
 
 def main() -> None:
@@ -196,14 +180,6 @@ def main() -> None:
                 "-" if kind == "plain" else f"{extra:+.0f}",
             )
     Console().print(table)
-    costs = {
-        name: statistics.median(results[0][name]) * 1e6 for name in ("activation", "header + activation")
-    }
-    Console().print(
-        f"rank 0 -> 1, one [{MICRO}, {LENGTH}, {WIDTH}] float32 activation and its acknowledgement: "
-        + ", ".join(f"{name} {us:.0f} us" for name, us in costs.items())
-        + f" (the header: {costs['header + activation'] - costs['activation']:+.0f} us per transfer)"
-    )
 
 
 if __name__ == "__main__":
