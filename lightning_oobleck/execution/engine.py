@@ -9,6 +9,7 @@ training on the whole global batch with a mean loss.
 
 from __future__ import annotations
 
+import math
 import threading
 from typing import Any
 
@@ -237,18 +238,20 @@ class PipelineEngine:
             self.plan.microbatch_size / self.plan.global_batch_size,
         )
 
-    def commit(self, loss: Tensor | None, extra: float = 0.0) -> list[float]:
+    def commit(self, loss: Tensor | None, extra: float = 0.0, grad_norm: bool = True) -> list[float]:
         """The end of a training step, after :meth:`train_step`: all-reduce (sum, bounded, abortable)
         ``[this worker's part of the squared gradient norm, its loss part, extra]`` over every worker.
 
         Returns ``[global squared gradient norm, global mean loss, sum of extra]``; its completion on any
         worker proves that every worker finished the step's gradient sync. ``extra`` lets the caller share
-        one more number per step without another collective (the Lightning glue: its SIGTERM flag).
+        one more number per step without another collective (the Lightning glue: its SIGTERM flag). Without
+        ``grad_norm`` (a step that does not clip by norm) the norm is not computed and comes back NaN.
         """
         part = loss if loss is not None else torch.zeros((), device=self.device)
+        nan = torch.full((1,), math.nan, dtype=torch.float64, device=self.device)
         values = torch.cat(
             [
-                self.grad_norm_sq().reshape(1),
+                self.grad_norm_sq().reshape(1) if grad_norm else nan,
                 part.detach().to(torch.float64).reshape(1),
                 torch.tensor([extra], dtype=torch.float64, device=self.device),
             ]

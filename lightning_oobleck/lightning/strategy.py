@@ -272,7 +272,7 @@ class OobleckStrategy(ParallelStrategy, PipelineExecutor):
         self.setup_precision_plugin()
         # Clipping by norm must use the norm of the whole model, each layer once: the step's commit has it.
         self.precision_plugin = with_global_norm_clipping(
-            self.precision_plugin, lambda: self._require_units().committed[0]
+            self.precision_plugin, lambda: self._require_units().grad_norm_sq()
         )
         self._units = FitUnits(self, trainer)
         if fitting:

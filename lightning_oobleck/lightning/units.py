@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import csv
 import io
+import math
 import pickle
 import time
 from collections.abc import Callable
@@ -29,12 +30,13 @@ from typing import TYPE_CHECKING, Any, TypeVar
 import torch
 import torch.distributed as dist
 from lightning.fabric.utilities.rank_zero import rank_zero_warn
-from lightning.pytorch import Trainer
+from lightning.pytorch import LightningModule, Trainer
 from lightning.pytorch.core.optimizer import _init_optimizers_and_lr_schedulers
 from lightning.pytorch.loggers import CSVLogger, TensorBoardLogger
 from lightning.pytorch.loggers.csv_logs import ExperimentWriter
 from lightning.pytorch.trainer import call
 from lightning.pytorch.utilities.exceptions import SIGTERMException
+from lightning.pytorch.utilities.model_helpers import is_overridden
 from lightning.pytorch.utilities.rank_zero import rank_zero_only
 from torch import Tensor
 
@@ -84,6 +86,12 @@ class FitUnits:
         self.committed: list[float] = [0.0, 0.0, 0.0]
         """The last training step's ``[global squared gradient norm, global mean loss, workers that had
         received SIGTERM]``."""
+        module = trainer.lightning_module
+        self.clips_by_norm = is_overridden("configure_gradient_clipping", module, LightningModule) or (
+            bool(trainer.gradient_clip_val) and trainer.gradient_clip_algorithm in (None, "norm")
+        )
+        """Whether a step may clip by norm (Lightning's clipping, or the module's own): only then does the
+        step's commit compute the gradient norm."""
         self._step_started = time.time()
         self._sigterm = False
         self.recovery: Recovery | None = None
@@ -131,10 +139,20 @@ class FitUnits:
             engine.module.zero_grad(set_to_none=True)
             current = self._current(batch, self.trainer.train_dataloader, position, 0)
             loss = engine.train_step(*batch_parts(module, current))
-            return engine.commit(loss, float(self._sigterm))
+            return engine.commit(loss, float(self._sigterm), grad_norm=self.clips_by_norm)
 
         self.committed = self.run(step)
         return torch.tensor(self.committed[1], device=self.engine.device)
+
+    def grad_norm_sq(self) -> float:
+        """The squared gradient norm of the whole model for the step being applied (for clipping by norm)."""
+        if math.isnan(self.committed[0]):
+            raise RuntimeError(
+                "gradients were clipped by norm outside `configure_gradient_clipping`, so the step did not "
+                "compute the model's gradient norm: clip with Trainer(gradient_clip_val=...) or in your "
+                "LightningModule's `configure_gradient_clipping`"
+            )
+        return self.committed[0]
 
     def eval_step(self, module: PipelineModule, batch: Any, batch_idx: int, dataloader_idx: int) -> Tensor:
         """Forward-only pipelines over evaluation batch ``batch_idx``; the global mean loss."""

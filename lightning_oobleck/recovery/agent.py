@@ -437,3 +437,30 @@ def close_process_agent(finished: bool = True) -> None:
     agent, _process_agent = _process_agent, None
     if agent is not None:
         agent.close(finished=finished)
+
+
+_presence: socket.socket | None = None
+
+
+def announce_presence(worker: tuple[int, int], address: str | None = None, secret: str | None = None) -> bool:
+    """Tell the coordinator, before anything slow runs (imports, loading data), that this process is
+    ``worker``, on a connection kept open for the process's life: if the process ends before its agent
+    registers, the coordinator sees that connection end and starts without it instead of waiting for it.
+
+    For launchers that cannot report a process's end themselves (``srun``); best effort: returns whether
+    the coordinator (``address``, default ``$OOBLECK_COORDINATOR_ADDR``) took the message. Forked children
+    (loader workers) close their copy, so that only this process's end closes the connection."""
+    global _presence
+    address = address or os.environ.get(ADDRESS_ENV)
+    secret = secret if secret is not None else os.environ.get(SECRET_ENV)
+    if _presence is not None or not address:
+        return False
+    try:
+        sock = socket.create_connection(parse_address(address), timeout=5.0)
+        node, device = worker
+        sock.sendall(encode("present", node=node, device=device, **({"secret": secret} if secret else {})))
+    except OSError:
+        return False
+    _presence = sock
+    os.register_at_fork(after_in_child=sock.close)
+    return True

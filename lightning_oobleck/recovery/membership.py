@@ -2,9 +2,10 @@
 
 No sockets, threads or clocks here. :class:`MembershipMachine` takes events with the (monotonic) time they
 happen — a connection opened, a message received, a connection ended, a process end reported by the
-launcher, time passing — and returns *effects*: send a message on a connection, close it, kill the process
-behind it. The :class:`~lightning_oobleck.recovery.coordinator.Coordinator` runs it behind a socket loop;
-tests drive it directly with any interleaving of events (``tests/recovery/test_membership_machine.py``).
+launcher or seen on a presence connection, time passing — and returns *effects*: send a message on a
+connection, close it, kill the process behind it. The
+:class:`~lightning_oobleck.recovery.coordinator.Coordinator` runs it behind a socket loop; tests drive it
+directly with any interleaving of events (``tests/recovery/test_membership_machine.py``).
 Wire messages are those of :mod:`~lightning_oobleck.recovery.protocol`.
 
 The job is in one *phase* at a time (:class:`Phase`); each event does this in each phase (a dash: cannot
@@ -28,6 +29,9 @@ a register
 register        fenced: a dead node     fenced                  fenced                fenced
 from a dead     never comes back
 node
+present, then   the worker is lost      -                       -                     -
+its end         before the start
+                (unless registered)
 death           its node fenced;        node fenced; ABORT      node fenced; ABORT    node fenced; folded
                 lost before the         to the members of       to the members of     into the coming
                 start: maybe            g; SETTLING             g; SETTLING           change
@@ -131,6 +135,8 @@ class _Peer:
     host: str | None = None
     last_heard: float = 0.0
     suspicion: str | None = None
+    present: Worker | None = None
+    """The worker a presence connection stands for (it never registers; it only ends with its process)."""
     closed: bool = False
     ended_by_peer: bool = False
     """Its end closed or reset: the process is gone, so its pid may already belong to another one."""
@@ -222,7 +228,7 @@ class MembershipMachine:
 
     def next_deadline(self) -> float | None:
         """When :meth:`tick` must run next (``None``: no timer is pending)."""
-        deadlines = [p.deadline for p in self._peers.values()]
+        deadlines = [p.deadline for p in self._peers.values() if p.present is None]
         deadlines += [t for t in (self._change_at, self._agree_deadline) if t is not None]
         return min(deadlines, default=None)
 
@@ -240,7 +246,8 @@ class MembershipMachine:
             return self._effects()
         peer.last_heard = now
         peer.suspicion = None
-        peer.deadline = now + (self.heartbeat_timeout if peer.worker else self.registration_timeout)
+        if peer.present is None:
+            peer.deadline = now + (self.heartbeat_timeout if peer.worker else self.registration_timeout)
         try:
             self._handle(peer, msg, now)
         except (AttributeError, KeyError, TypeError, ValueError) as e:
@@ -251,6 +258,8 @@ class MembershipMachine:
         """``conn`` ended: closed or reset by its process (``by_peer``: the process is gone), or unusable
         (garbage on the wire, a failed send)."""
         peer = self._peers.get(conn)
+        if peer is not None and not peer.closed and peer.present is not None and by_peer:
+            self._exited(peer.present, f"its process ended ({reason})", now)
         if peer is not None and not peer.closed:
             peer.ended_by_peer = by_peer
             self._drop(peer, reason, now, explained=by_peer)
@@ -260,14 +269,17 @@ class MembershipMachine:
         """The launcher saw ``worker``'s process end. A registered worker's end is seen on its connection,
         after whatever it sent last (a LEAVE); this counts only for one that never registered, before the
         start: its node is out, so that generation 0 does not wait for it."""
+        self._exited(worker, reason, now)
+        return self._effects()
+
+    def _exited(self, worker: Worker, reason: str, now: float) -> None:
         if self._current is None and worker not in self._alive and worker.node not in self._dead_nodes:
             self._declare_dead(worker, reason, now, registered=False)
-        return self._effects()
 
     def tick(self, now: float) -> list[Effect]:
         """Fire every timer due at ``now``."""
         for peer in list(self._peers.values()):
-            if peer.closed or peer.deadline > now:
+            if peer.closed or peer.present is not None or peer.deadline > now:
                 continue
             if peer.worker is None:
                 log.warning(
@@ -300,10 +312,12 @@ class MembershipMachine:
     def _handle(self, peer: _Peer, msg: dict[str, Any], now: float) -> None:
         op = msg.get("op")
         if peer.worker is None:
-            if op == "register":
+            if op == "register" and peer.present is None:
                 self._register(peer, msg, now)
+            elif op == "present" and peer.present is None:
+                self._present(peer, msg)
             else:
-                self._refuse(peer, f"the first message must be 'register', got {op!r}")
+                self._refuse(peer, f"the first and only message must be 'register' or 'present', got {op!r}")
         elif op == "heartbeat":
             self._send(peer, "ack")
         elif op == "ready":
@@ -315,9 +329,18 @@ class MembershipMachine:
         else:
             log.warning("ignoring unknown message %r from worker %s", op, tuple(peer.worker))
 
-    def _register(self, peer: _Peer, msg: dict[str, Any], now: float) -> None:
+    def _authentic(self, peer: _Peer, msg: dict[str, Any]) -> bool:
         if self.secret is not None and not hmac.compare_digest(str(msg.get("secret", "")), self.secret):
             self._refuse(peer, "the job's secret is missing or wrong: only this job's workers may register")
+            return False
+        return True
+
+    def _present(self, peer: _Peer, msg: dict[str, Any]) -> None:
+        if self._authentic(peer, msg):
+            peer.present = Worker(int(msg["node"]), int(msg["device"]))
+
+    def _register(self, peer: _Peer, msg: dict[str, Any], now: float) -> None:
+        if not self._authentic(peer, msg):
             return
         worker = Worker(int(msg["node"]), int(msg["device"]))
         if self._current is not None and not self.allow_joins:

@@ -1,7 +1,8 @@
 """The wire protocol between the recovery :mod:`~lightning_oobleck.recovery.coordinator` and the
 :mod:`~lightning_oobleck.recovery.agent` that runs in every worker.
 
-Transport: one TCP connection per worker process, opened at start and kept for the whole run. A message
+Transport: one TCP connection per worker process, opened at start and kept for the whole run (and, under
+SLURM, one more opened as the process starts: ``present``). A message
 is one JSON object on one line (UTF-8, terminated by ``\\n``) with an ``"op"`` field.
 
 Worker -> coordinator::
@@ -10,6 +11,10 @@ Worker -> coordinator::
                                           first message; answered by welcome, refused or fenced. The
                                           first registration's timeouts become the job's; a later one
                                           asking for others is refused
+    present   {node, device, secret}      on a connection of its own, sent by the process that will be this
+                                          worker before anything slow runs (imports, data), and nothing
+                                          after: if it ends before the worker registered, the process is
+                                          gone and the start does not wait for it. Never answered
     heartbeat {}                          every ``heartbeat_interval``; answered by ack
     suspect   {node, device, reason}      hint from a communication error: "this peer looks dead"
     ready     {generation}                agreement barrier: "I stopped generation g-1, I am ready for g"

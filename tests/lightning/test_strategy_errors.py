@@ -179,6 +179,19 @@ def test_a_layer_output_that_cannot_cross_a_stage_boundary_is_refused_by_name() 
         )
 
 
+class ClipsInAnotherHook(TinyNet):
+    def on_before_optimizer_step(self, optimizer: torch.optim.Optimizer) -> None:
+        self.clip_gradients(optimizer, gradient_clip_val=1.0, gradient_clip_algorithm="norm")
+
+
+@pytest.mark.timeout(120)
+def test_clipping_by_norm_outside_its_hook_is_refused_not_done_with_a_wrong_norm() -> None:
+    """The step computes the model's gradient norm only when the run clips by norm (the Trainer's
+    ``gradient_clip_val``, or ``configure_gradient_clipping``): a clip elsewhere would have no norm."""
+    with pytest.raises(LaunchError, match=r"clipped by norm outside `configure_gradient_clipping`"):
+        trainer(2, strategy(layout=[[0, 6], [0, 6]])).fit(ClipsInAnotherHook(), train_loader(torch.float32))
+
+
 def test_batch_sizes_default_to_the_loaders_batch_and_two_microbatches_per_process() -> None:
     config = OobleckConfig().with_batch(loader_batch_size=48, num_workers=4)
     assert (config.global_batch_size, config.microbatch_size) == (48, 6)

@@ -176,6 +176,21 @@ class Harness:
             self.exited.add(worker)
             self.apply(self.machine.exited(worker, "its process ended", self.now))
 
+    def presence_ends(self, i: int) -> None:
+        """Worker ``i``'s process announces itself on a presence connection, which then ends: its process
+        is gone, registered or not."""
+        worker = self.workers[i]
+        conn = len(self.clients) + 1
+        client = self.clients[conn] = Client(conn)
+        self.apply(self.machine.connected(conn, self.now))
+        message = {"op": "present", "node": worker.node, "device": worker.device, "secret": SECRET}
+        self.apply(self.machine.received(conn, message, self.now))
+        assert not client.inbox, "a presence connection is never answered"
+        if worker not in self.by_worker:
+            self.exited.add(worker)
+        self.apply(self.machine.ended(conn, "its connection closed", self.now))
+        self.kill(i)
+
     def answer(self, i: int) -> None:
         client = self.by_worker.get(self.workers[i])
         if client is not None and self.live(client) and (a := client.last("announce")) is not None:
@@ -195,12 +210,14 @@ class Harness:
 
     def stray(self, kind: int) -> None:
         """A client that is not one of the job's workers: no secret (0), a wrong one (1), a taken
-        (node, device) with the secret (2), a first message that is not a registration (3)."""
+        (node, device) with the secret (2), a first message that is not a registration (3), a presence
+        without the secret (4)."""
         message = [
             {"op": "register", "node": 99, "device": 0, "pid": 1, "host": "here"},
             {"op": "register", "node": 99, "device": 0, "pid": 1, "host": "here", "secret": "wrong"},
             None,
             {"op": "heartbeat"},
+            {"op": "present", "node": 0, "device": 0, "secret": "wrong"},
         ][kind]
         if message is None:
             taken = next((w for w, c in self.by_worker.items() if self.live(c)), None)
@@ -255,10 +272,11 @@ ACTIONS = st.one_of(
     st.tuples(st.just("kill"), st.integers(0, 5)),
     st.tuples(st.just("silence"), st.integers(0, 5)),
     st.tuples(st.just("exit_unregistered"), st.integers(0, 5)),
+    st.tuples(st.just("presence_ends"), st.integers(0, 5)),
     st.tuples(st.just("answer"), st.integers(0, 5)),
     st.tuples(st.just("suspect"), st.integers(0, 5), st.integers(0, 5)),
     st.tuples(st.just("leave"), st.integers(0, 5)),
-    st.tuples(st.just("stray"), st.integers(0, 3)),
+    st.tuples(st.just("stray"), st.integers(0, 4)),
 )
 
 
@@ -292,6 +310,27 @@ def test_starting_register_announces_generation_0_once_every_worker_registered_o
     (g0,) = h.machine.history
     assert g0.workers == (Worker(0, 0), Worker(1, 0)) and g0.removed == (Worker(2, 0),)
     assert h.machine.phase is Phase.RUNNING
+
+
+def test_starting_a_presence_connection_ends_the_wait_for_a_process_that_never_registers() -> None:
+    h = Harness(3, 1)
+    h.register(0, True)
+    h.register(1, True)
+    h.advance(3 * h.machine.registration_timeout)  # the presence connection has no timer of its own
+    assert h.machine.phase is Phase.STARTING and not h.machine.history
+    h.presence_ends(2)
+    (g0,) = h.machine.history
+    assert g0.workers == (Worker(0, 0), Worker(1, 0)) and g0.removed == (Worker(2, 0),)
+    assert h.machine.deaths[0].reason == "its process ended (its connection closed)"
+
+
+def test_the_end_of_a_registered_workers_presence_is_its_death_seen_once() -> None:
+    h = started()
+    h.presence_ends(1)
+    assert [d.worker for d in h.machine.deaths] == [Worker(1, 0)]
+    assert h.machine.deaths[0].reason == "its connection closed"
+    h.advance(SETTLE + HEARTBEAT)
+    assert h.machine.history[-1].workers == (Worker(0, 0), Worker(2, 0))
 
 
 def test_starting_death_of_a_registered_worker_takes_its_node_out_of_generation_0() -> None:
@@ -356,7 +395,7 @@ def test_agreeing_timer_declares_live_members_that_never_got_ready_dead() -> Non
     assert h.machine.current.workers == (Worker(0, 0),) and h.machine.phase is Phase.RUNNING
 
 
-@pytest.mark.parametrize("kind", [0, 1, 2, 3])
+@pytest.mark.parametrize("kind", [0, 1, 2, 3, 4])
 def test_stray_clients_are_refused_and_change_nothing_in_every_phase(kind: int) -> None:
     h = started()
     before = (list(h.machine.history), list(h.machine.deaths), h.machine.phase)

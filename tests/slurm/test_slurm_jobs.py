@@ -332,6 +332,36 @@ def test_sbatch_template_survives_a_real_node_crash_with_the_reference_weights(
         cluster.restart(victim)
 
 
+@pytest.mark.timeout(240)
+def test_a_task_dying_before_it_registers_is_not_waited_for(
+    cluster: Cluster, tmp_path: Path, reference: dict[str, torch.Tensor]
+) -> None:
+    """A task SIGKILLed during its imports, before its agent registers: srun tells no one, but the task's
+    presence connection (``lightning_oobleck.slurm.task``) closes, so the other two start without its node
+    at once (``plan_timeout_s`` is 300 s, longer than the job may take) and train to the reference weights."""
+    out = tmp_path / "out"
+    out.mkdir()
+    script = tmp_path / "killed_on_node_2.py"
+    script.write_text(
+        "import os, runpy, signal, sys\n"
+        "if os.environ['SLURM_NODEID'] == '2':\n"
+        "    os.kill(os.getpid(), signal.SIGKILL)\n"
+        f"sys.argv[0] = {str(EXAMPLE)!r}\n"
+        f"sys.path.insert(0, {str(EXAMPLE.parent)!r})\n"
+        f"runpy.run_path({str(EXAMPLE)!r}, run_name='__main__')\n"
+    )
+    job_id = _sbatch(tmp_path, ["--nodes=3", "--time=5"], [str(script), *training_args(out)]).stdout.strip()
+    _wait_for_end(job_id, timeout_s=JOB_TIMEOUT_S)
+    rendezvous_log = (tmp_path / f"oobleck-{job_id}-rendezvous.log").read_text()
+    assert "worker (2, 0) declared dead before it registered: its process ended" in rendezvous_log, (
+        rendezvous_log
+    )
+    steps = _assert_steps_once(out)
+    assert {e["generation"] for e in steps} == {0}
+    assert not [e for e in events(out) if e["kind"] == "recovery"]
+    _assert_reference_weights(out, reference)
+
+
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize(
     ("override", "message"),
