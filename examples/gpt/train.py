@@ -87,8 +87,14 @@ def parse_args(argv: list[str] | None = None) -> tuple[argparse.Namespace, DictC
     parser.add_argument(
         "--fault-tolerance", type=int, help="node failures to survive (strategy.fault_tolerance)"
     )
-    parser.add_argument("--kill-rank", type=int, help="SIGKILL this rank during training (a demo)")
+    parser.add_argument("--kill-rank", type=int, help="make this rank fail during training (a demo)")
     parser.add_argument("--kill-at-step", type=int, default=10, help="when --kill-rank fires")
+    parser.add_argument(
+        "--kill-by",
+        choices=["sigkill", "exception"],
+        default="sigkill",
+        help="how --kill-rank fails: a SIGKILL (a crash) or an exception (a bug, out of memory)",
+    )
     parser.add_argument(
         "--save", type=Path, help="after training, save a sharded checkpoint to this directory (all ranks)"
     )
@@ -130,7 +136,7 @@ def main(argv: list[str] | None = None) -> None:
     args, cfg = parse_args(argv)
     callbacks: list[L.Callback] = [PlanSummary()]
     if args.kill_rank is not None:
-        callbacks.append(KillAt(args.kill_rank, args.kill_at_step))
+        callbacks.append(KillAt(args.kill_rank, args.kill_at_step, args.kill_by))
     if args.save is not None:
         callbacks.append(SaveAtEnd(args.save))
     trainer_cfg = OmegaConf.to_container(cfg.trainer)

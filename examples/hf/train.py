@@ -107,8 +107,14 @@ def main(argv: list[str] | None = None) -> None:
         help="pretend each process is a device with this much memory, so the planner must cut the model "
         "into 2-stage pipelines (default: 4 for gpt2, 3 for llama; on real devices: 0, their own memory)",
     )
-    parser.add_argument("--kill-rank", type=int, help="SIGKILL this rank during training (a drill)")
+    parser.add_argument("--kill-rank", type=int, help="make this rank fail during training (a drill)")
     parser.add_argument("--kill-at-step", type=int, default=10, help="when --kill-rank fires")
+    parser.add_argument(
+        "--kill-by",
+        choices=["sigkill", "exception"],
+        default="sigkill",
+        help="how --kill-rank fails: a SIGKILL (a crash) or an exception (a bug, out of memory)",
+    )
     args = parser.parse_args(argv)
     memory_mb = (
         {"gpt2": 4.0, "llama": 3.0}[args.model] if args.device_memory_mb is None else args.device_memory_mb
@@ -122,7 +128,7 @@ def main(argv: list[str] | None = None) -> None:
     )
     callbacks: list[L.Callback] = [PlanSummary()]
     if args.kill_rank is not None:
-        callbacks.append(KillAt(args.kill_rank, args.kill_at_step))
+        callbacks.append(KillAt(args.kill_rank, args.kill_at_step, args.kill_by))
     trainer = L.Trainer(
         accelerator="cpu",
         devices=args.devices,

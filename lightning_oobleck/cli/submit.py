@@ -2,7 +2,8 @@
 
 Submits the config's ``submit:`` section (:class:`~lightning_oobleck.slurm.config.SubmitConfig`) with
 submitit, shows a live status line until the job ends, then a table of what became of each task. Exit status:
-0 when the training finished (lost nodes included), 1 when it failed, 2 for bad input (nothing submitted).
+0 when the training finished (nodes lost or failed on the way included), 1 when it failed, 2 for bad input
+(nothing submitted).
 """
 
 from __future__ import annotations

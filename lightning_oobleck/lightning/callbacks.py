@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import os
 import signal
-from typing import Any
+from typing import Any, Literal
 
 import lightning as L
 from rich.console import Console
@@ -44,19 +44,26 @@ class PlanSummary(L.Callback):
 
 
 class KillAt(L.Callback):
-    """SIGKILL the process launched as global rank ``rank`` when training reaches step ``step``."""
+    """Make the process launched as global rank ``rank`` fail when training reaches step ``step``: ``by``
+    ``"sigkill"`` (a crash) or ``"exception"`` (an error in the training code, such as running out of
+    memory)."""
 
-    def __init__(self, rank: int, step: int) -> None:
-        self.rank, self.step = rank, step
+    def __init__(self, rank: int, step: int, by: Literal["sigkill", "exception"] = "sigkill") -> None:
+        if by not in ("sigkill", "exception"):
+            raise ValueError(f"KillAt(by={by!r}): choose 'sigkill' or 'exception'")
+        self.rank, self.step, self.by = rank, step, by
 
     def on_train_batch_start(self, trainer: L.Trainer, *args: Any) -> None:
         strategy = trainer.strategy
         if not isinstance(strategy, OobleckStrategy):
             return
         node, device = strategy._environment().worker
-        if node * strategy.config.devices_per_node + device == self.rank and trainer.global_step == self.step:
-            Console().print(f"[bold red]KillAt: SIGKILL to rank {self.rank} (pid {os.getpid()})")
-            os.kill(os.getpid(), signal.SIGKILL)
+        if node * strategy.config.devices_per_node + device != self.rank or trainer.global_step != self.step:
+            return
+        if self.by == "exception":
+            raise RuntimeError(f"KillAt: an error in rank {self.rank} at step {self.step} (a demo)")
+        Console().print(f"[bold red]KillAt: SIGKILL to rank {self.rank} (pid {os.getpid()})")
+        os.kill(os.getpid(), signal.SIGKILL)
 
 
 def plan_table(plan: Plan) -> Table:

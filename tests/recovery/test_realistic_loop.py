@@ -111,7 +111,7 @@ class LoopFaults(Faults):
         engine = trainer.strategy.engine
         commit = engine.commit
 
-        def commit_late_if_armed(loss: Any, *args: Any) -> Any:
+        def commit_late_if_armed(loss: Any, *args: Any, **kwargs: Any) -> Any:
             fault = self.faults.get((self.worker[0], trainer.global_step))
             if fault is not None and fault.when == LAG and fault.device == self.worker[1]:
                 waiter = engine.groups.waiter
@@ -124,7 +124,7 @@ class LoopFaults(Faults):
                     raise PeerFailure("test: this worker saw the commit only after the failure notice")
 
                 waiter.wait = see_it_late
-            return commit(loss, *args)
+            return commit(loss, *args, **kwargs)
 
         engine.commit = commit_late_if_armed
 

@@ -280,6 +280,33 @@ def test_submitit_job_survives_a_real_node_crash_with_the_reference_weights(
 
 
 @pytest.mark.timeout(300)
+def test_an_exception_in_one_task_is_survived_and_reported_with_its_error(
+    cluster: Cluster, tmp_path: Path, reference: dict[str, torch.Tensor]
+) -> None:
+    """Task 2 raises in its training step (a bug, out of memory): the strategy's ``on_exception`` reports
+    it lost, the other two recover without it and end with the reference weights, and the job's result
+    names the error."""
+    out = tmp_path / "out"
+    out.mkdir()
+    args = [*training_args(out), "--kill-rank=2", f"--kill-at-step={CRASH_AT_STEP}", "--kill-by=exception"]
+    config = SubmitConfig(
+        nodes=3, time="5", log_dir=str(tmp_path / "logs"), job_name="exception",
+        script=str(EXAMPLE), args=args,
+    )  # fmt: skip
+    job = submit(config)
+    wait(job, poll_interval_s=1.0, timeout_s=JOB_TIMEOUT_S)
+    result = collect(job)
+    assert sorted(result.results) == [0, 1] and result.succeeded
+    assert list(result.failed) == [2]
+    assert f"RuntimeError: KillAt: an error in rank 2 at step {CRASH_AT_STEP}" in result.failed[2]
+    steps = _assert_steps_once(out)
+    (recovery,) = [e for e in events(out) if e["kind"] == "recovery"]
+    assert recovery["removed"] == [[2, 0]] and not recovery["added"]
+    assert next(e for e in steps if e["generation"] == recovery["generation"])["step"] == CRASH_AT_STEP + 1
+    _assert_reference_weights(out, reference)
+
+
+@pytest.mark.timeout(300)
 def test_two_tasks_per_node_survive_a_real_node_crash_with_the_reference_weights(
     cluster: Cluster, tmp_path: Path, reference: dict[str, torch.Tensor]
 ) -> None:
