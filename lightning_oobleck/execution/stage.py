@@ -103,11 +103,8 @@ def layer_seed(seed: int, layer: int) -> int:
 
 
 def resolve_layers(source: LayerSource) -> list[nn.Module]:
-    """The model's layers as a list; a factory is called under ``torch.device("meta")``.
-
-    Refuses anything that is not a sequence of modules, and parameters shared by two layers (tied
-    weights would live on different workers and silently diverge).
-    """
+    """The model's layers as a list; a factory is called under ``torch.device("meta")``. Refuses anything
+    that is not a sequence of modules."""
     if callable(source) and not isinstance(source, nn.Module):
         with torch.device("meta"):
             source = source()
@@ -115,7 +112,7 @@ def resolve_layers(source: LayerSource) -> list[nn.Module]:
         raise TypeError(
             f"the model must be an ordered sequence of layers, got a single {type(source).__name__}; "
             "pass a list of nn.Module (or nn.Sequential / nn.ModuleList, or a factory returning one), "
-            "each taking one tensor and returning one tensor"
+            "each taking the previous layer's output"
         )
     if not isinstance(source, Iterable) or isinstance(source, Tensor | str | bytes):
         raise TypeError(
@@ -157,6 +154,56 @@ def find_ties(layers: Sequence[nn.Module]) -> tuple[Tie, ...]:
         for name, p in layer.named_parameters(remove_duplicate=False):
             holders.setdefault(id(p), []).append((i, name))
     return tuple(Tie(tuple(m)) for m in holders.values() if len({layer for layer, _ in m}) > 1)
+
+
+def declare_ties(layers: Sequence[nn.Module], groups: Sequence[Sequence[str]]) -> Sequence[nn.Module]:
+    """Make each group of parameters one ``nn.Parameter`` (that of the group's lowest layer), for layers built
+    separately that must share a weight. A parameter is named ``"LAYER.NAME"``: the layer's index, then the
+    parameter's name in that layer (``"0.wte.weight"``). :func:`find_ties` then finds them like any tie."""
+    held: set[str] = set()
+    for group in groups:
+        if isinstance(group, str) or len(group) < 2:
+            raise ValueError(
+                f"tied_parameters() gave {group!r}: each tie is a sequence of two or more parameter names, "
+                "e.g. [('0.wte.weight', '5.lm_head.weight')]"
+            )
+        members = sorted((_split_name(name, len(layers)), name) for name in group)
+        params = [_declared_parameter(layers, index, name, full) for (index, name), full in members]
+        (_, first), shared = members[0], params[0]
+        for ((index, name), full), p in zip(members[1:], params[1:], strict=True):
+            if p.shape != shared.shape or p.dtype != shared.dtype:
+                raise ValueError(
+                    f"tied parameters {first} ({tuple(shared.shape)}, {shared.dtype}) and {full} "
+                    f"({tuple(p.shape)}, {p.dtype}) differ: only parameters of one shape and dtype can be "
+                    "one tensor (a transposed use belongs in the layer's forward)"
+                )
+            _set_parameter(layers[index], name, shared)
+        for _, full in members:
+            if full in held:
+                raise ValueError(f"tied_parameters() names {full} in two ties: merge them into one")
+            held.add(full)
+    return layers
+
+
+def _split_name(full: str, count: int) -> tuple[int, str]:
+    index, _, name = full.partition(".")
+    if not index.isdigit() or not name or not int(index) < count:
+        raise ValueError(
+            f"tied_parameters() names {full!r}: name a parameter 'LAYER.NAME', the index of one of the "
+            f"{count} layers configure_layers() returns, then the parameter's name in that layer"
+        )
+    return int(index), name
+
+
+def _declared_parameter(layers: Sequence[nn.Module], index: int, name: str, full: str) -> nn.Parameter:
+    try:
+        return layers[index].get_parameter(name)
+    except AttributeError:
+        names = [n for n, _ in layers[index].named_parameters()]
+        raise ValueError(
+            f"tied_parameters() names {full!r}, but layer {index} ({type(layers[index]).__name__}) has no "
+            f"parameter {name!r}; its parameters: {names}"
+        ) from None
 
 
 def tie_parameters(layers: Mapping[int, nn.Module], ties: Sequence[Tie]) -> tuple[Tie, ...]:

@@ -23,7 +23,7 @@ parameters, named ``layers.<i>.<name>`` in every layout.
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -32,6 +32,7 @@ from torch import Tensor, nn
 
 from lightning_oobleck.execution.stage import (
     build_reference_model,
+    declare_ties,
     find_ties,
     forward_layers,
     reset_parameters,
@@ -74,6 +75,15 @@ class PipelineModule:
             f"{type(self).__name__} must implement configure_layers() returning the model as an ordered list "
             f"of layers, and compute_loss(output, target), for example:\n{_MINIMAL_EXAMPLE}"
         )
+
+    def tied_parameters(self) -> Sequence[Sequence[str]]:
+        """Parameters that must be one tensor although ``configure_layers`` builds them separately: groups of
+        names ``"LAYER.NAME"`` (the layer's index, then the parameter's name in it), e.g.
+        ``[("0.wte.weight", "5.lm_head.weight")]``. The lowest layer's initialisation gives the value.
+
+        Not needed where two layers hold the same ``nn.Parameter`` object (``head.weight =
+        embedding.weight`` in ``configure_layers``): such ties are found by themselves. Default: none."""
+        return ()
 
     def compute_loss(self, output: Any, target: Any) -> Tensor:
         """The mean loss of one micro-batch from the last layer's ``output`` and its ``target``."""
@@ -166,7 +176,7 @@ class PipelineModule:
     def _build_all_layers(self) -> None:
         device = torch.get_default_device()
         self.layers = build_reference_model(
-            self.configure_layers, device, seed=self.init_seed, init=self.init_layer
+            layer_source(self), device, seed=self.init_seed, init=self.init_layer
         ).layers
 
     def _executor(self) -> PipelineExecutor | None:
@@ -221,6 +231,18 @@ def as_pipeline_module(module: object) -> PipelineModule:
     return module
 
 
+def layer_source(module: PipelineModule) -> Callable[[], Sequence[nn.Module]]:
+    """The module's layers as every layout builds them: ``configure_layers``, ``tied_parameters`` tied."""
+
+    def layers() -> Sequence[nn.Module]:
+        built, ties = module.configure_layers(), module.tied_parameters()
+        if not ties:
+            return built
+        return declare_ties(resolve_layers(built), ties)
+
+    return layers
+
+
 def meta_layers(module: PipelineModule) -> list[nn.Module]:
     """The module's layers built on the meta device: the model's structure, without memory."""
-    return resolve_layers(module.configure_layers)
+    return resolve_layers(layer_source(module))

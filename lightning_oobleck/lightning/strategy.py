@@ -70,6 +70,7 @@ from lightning_oobleck.lightning.module import (
     PipelineModule,
     as_pipeline_module,
     example_forward_args,
+    layer_source,
     meta_layers,
 )
 from lightning_oobleck.lightning.plan_agreement import check_layout_size, configured_plan
@@ -290,7 +291,7 @@ class OobleckStrategy(ParallelStrategy, PipelineExecutor):
         """Materialise the owned layers; weights the module already holds (a previous fit's) are kept."""
         with self.precision_plugin.tensor_init_context():
             engine = PipelineEngine(
-                module.configure_layers,
+                layer_source(module),
                 module.compute_loss,
                 self._require_groups(),
                 self.root_device,
@@ -344,7 +345,7 @@ class OobleckStrategy(ParallelStrategy, PipelineExecutor):
             )
             with self.precision_plugin.tensor_init_context():
                 profile = profile_layers(
-                    module.configure_layers,
+                    layer_source(module),
                     inputs,
                     self.root_device,
                     seed=module.init_seed,

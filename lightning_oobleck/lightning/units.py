@@ -52,7 +52,7 @@ from lightning_oobleck.execution.engine import PipelineEngine
 from lightning_oobleck.execution.process_groups import backend_for
 from lightning_oobleck.execution.stage import StageModule
 from lightning_oobleck.lightning.data import DataPosition, PipelineDataLoader, share_of_pipeline
-from lightning_oobleck.lightning.module import batch_parts, meta_layers
+from lightning_oobleck.lightning.module import batch_parts, layer_source, meta_layers
 from lightning_oobleck.recovery.agent import WorkerAgent
 from lightning_oobleck.recovery.events import EventLog, RecoveryEvent
 from lightning_oobleck.recovery.runtime import Recovery, Unit
@@ -107,7 +107,7 @@ class FitUnits:
             store,
             engine,
             strategy.optimizers[0],
-            strategy.lightning_module.configure_layers,
+            layer_source(strategy.lightning_module),
             self,
             seed=strategy.lightning_module.init_seed,
             init=strategy.lightning_module.init_layer,

@@ -24,6 +24,7 @@ from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_oobleck.lightning import GlobalBatchSampler, OobleckStrategy, PipelineModule
 from lightning_oobleck.lightning.launcher import LaunchError
+from lightning_oobleck.lightning.module import meta_layers
 
 SEED, STEPS, VOCAB, WIDTH, LENGTH = 7, 4, 13, 8, 6
 TIE, HEAD = "layers.0.wte.weight", "layers.3.lm.weight"
@@ -207,3 +208,53 @@ def test_a_tie_grouped_differently_where_only_the_head_holds_it_is_refused(tmp_p
         L.Trainer(devices=4, strategy=strategy(*LAYOUTS["1+3"]), **kwargs(tmp_path)).fit(
             EmbeddingGroupLM(), loader()
         )
+
+
+class DeclaredTieLM(TiedLM):
+    """The same model with the embedding and the head built with weights of their own, tied by name."""
+
+    def configure_layers(self) -> list[nn.Module]:
+        return [Embed(nn.Embedding(VOCAB, WIDTH)), Block(), Block(), Head(nn.Embedding(VOCAB, WIDTH))]
+
+    def tied_parameters(self) -> list[tuple[str, str]]:
+        return [("3.lm.weight", "0.wte.weight")]
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("devices", [1, 4])
+def test_a_tie_declared_by_name_trains_as_the_shared_parameter(
+    devices: int, reference: tuple, tmp_path: Path
+) -> None:
+    """``tied_parameters`` on one process (the single-device path) and on the "1+3" layout: the weights of
+    the model that shares one ``nn.Parameter``."""
+    ref_weights, _ = reference
+    model = DeclaredTieLM()
+    if devices == 1:
+        sampler = GlobalBatchSampler(len(data()), GLOBAL_BATCH, seed=SEED)
+        L.Trainer(devices=1, **kwargs(tmp_path)).fit(model, DataLoader(data(), batch_sampler=sampler))
+    else:
+        L.Trainer(devices=4, strategy=strategy(*LAYOUTS["1+3"]), **kwargs(tmp_path)).fit(model, loader())
+    weights = model.state_dict()
+    assert weights.keys() == ref_weights.keys()
+    for key, expected in ref_weights.items():
+        torch.testing.assert_close(weights[key], expected, rtol=0, atol=1e-10, msg=key)
+    assert model.layers["0"].wte.weight is model.layers["3"].lm.weight
+
+
+@pytest.mark.parametrize(
+    ("ties", "message"),
+    [
+        ([("0.wte.weight",)], r"each tie is a sequence of two or more parameter names"),
+        ([("0.wte.weight", "7.lm.weight")], r"'7.lm.weight': name a parameter 'LAYER.NAME'"),
+        ([("0.wte.weight", "3.lm.bias")], r"layer 3 \(Head\) has no parameter 'lm.bias'; its parameters: "),
+        ([("0.wte.weight", "1.fc.weight")], r"differ: only parameters of one shape and dtype"),
+        ([("0.wte.weight", "3.lm.weight"), ("3.lm.weight", "0.wte.weight")], r"in two ties: merge them"),
+    ],
+)
+def test_a_wrong_tie_declaration_is_refused_by_name(ties: list, message: str) -> None:
+    class Wrong(DeclaredTieLM):
+        def tied_parameters(self) -> list:
+            return ties
+
+    with pytest.raises(ValueError, match=message):
+        meta_layers(Wrong())
