@@ -50,6 +50,8 @@ class _Connection:
     reader: LineReader = field(default_factory=LineReader)
     outbox: bytearray = field(default_factory=bytearray)
     writing: bool = False
+    broken: str | None = None
+    """Why sending to it failed; its end is applied after the messages it sent before (a LEAVE)."""
 
 
 class Coordinator:
@@ -213,7 +215,9 @@ class Coordinator:
                             )
                     else:
                         self._service(key.data, events)
+                self._end_broken()
                 self._apply(lambda: self.machine.tick(time.monotonic()))
+                self._end_broken()
                 if self.machine.done:
                     self._done.set()
         except Exception:
@@ -228,8 +232,8 @@ class Coordinator:
             self._wake_w.close()
 
     def _apply(self, event: Callable[[], list[Effect]]) -> None:
-        """Run one machine event under the lock, then carry out its effects; a send that fails is the next
-        event."""
+        """Run one machine event under the lock, then carry out its effects; a connection a send fails on is
+        ended by :meth:`_end_broken`."""
         pending = [event]
         while pending:
             with self._lock:
@@ -241,8 +245,7 @@ class Coordinator:
                 if isinstance(effect, Send):
                     conn.outbox += encode(effect.op, **effect.fields)
                     if (error := self._flush(conn)) is not None:
-                        reason = f"sending to it failed ({error}): the process died"
-                        pending.append(lambda c=conn.id, r=reason: self.machine.ended(c, r, time.monotonic()))
+                        conn.broken = conn.broken or f"sending to it failed ({error}): the process died"
                 elif isinstance(effect, Kill):
                     self._kill(conn, effect.pid)
                 elif isinstance(effect, Close):
@@ -263,8 +266,7 @@ class Coordinator:
 
     def _service(self, conn: _Connection, events: int) -> None:
         if events & selectors.EVENT_WRITE and (error := self._flush(conn)) is not None:
-            reason = f"sending to it failed ({error}): the process died"
-            self._apply(lambda: self.machine.ended(conn.id, reason, time.monotonic()))
+            conn.broken = conn.broken or f"sending to it failed ({error}): the process died"
             return
         if not events & selectors.EVENT_READ or conn.id not in self._connections:
             return
@@ -291,6 +293,21 @@ class Coordinator:
             return
         for msg in messages:
             self._apply(lambda m=msg: self.machine.received(conn.id, m, time.monotonic()))
+
+    def _end_broken(self) -> None:
+        """End the connections a send failed on, each after the messages it still holds: a worker that
+        sent LEAVE and closed its end before a reply to its last heartbeat left normally; it did not die."""
+        while broken := [c for c in self._connections.values() if c.broken is not None]:
+            conn, messages = broken[0], []
+            with contextlib.suppress(OSError, ValueError):  # no more data (BlockingIOError), reset, garbage
+                while data := conn.sock.recv(65536):
+                    messages += conn.reader.feed(data)
+            for msg in messages:
+                self._apply(lambda c=conn.id, m=msg: self.machine.received(c, m, time.monotonic()))
+            if conn.id in self._connections:
+                why = conn.broken
+                self._apply(lambda c=conn.id, r=why: self.machine.ended(c, r, time.monotonic()))
+                self._close(conn)
 
     def _kill(self, conn: _Connection, pid: int) -> None:
         """Fencing with certainty on one machine: SIGKILL a fenced worker whose process may still exist.

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import socket
+import struct
 import subprocess
 import sys
 import time
@@ -308,3 +309,19 @@ def test_a_process_keeps_one_agent_for_its_runs_and_refuses_other_timeouts_in_a_
             close_process_agent()
         wait_until(lambda: c.wait_done(0), 5.0, "the agent's leave")
         assert c.finished and not c.deaths
+
+
+def test_a_leave_whose_connection_is_reset_at_once_is_a_leave_not_a_death() -> None:
+    """The worker sends a heartbeat and LEAVE and resets its connection (SO_LINGER 0) before the reply to
+    the heartbeat can be sent: the failed send must not make the coordinator miss the LEAVE behind it."""
+    for _ in range(5):  # the reset may or may not beat the reply's send: try a few times
+        with Coordinator(1, "127.0.0.1") as c:
+            client = RawClient(c, W(0, 0))
+            client.expect("announce")
+            client.send("ready", generation=0)
+            client.expect("go")
+            client.sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+            client.sock.sendall(encode("heartbeat") + encode("leave"))
+            client.sock.close()
+            wait_until(lambda c=c: c.wait_done(0), 5.0, "the worker's leave")
+            assert c.finished and not c.deaths, c.deaths

@@ -1,0 +1,106 @@
+"""Emulated devices: layers whose forward, input gradient and weight gradient each take a set wall time.
+
+A pipeline's timing depends on its schedule and on how long each stage computes. Measured with real
+compute on a machine with fewer cores than processes (8 workers on 2 cores), it shows contention, not the
+schedule. An :class:`EmulatedLayer` instead *sleeps* for its compute, releasing the core, on tiny tensors:
+any number of worker processes then behave like devices whose compute times are known, and the measured
+iteration time can be checked against the cost model's prediction for the same times
+(:func:`emulated_profile`).
+
+The forward sleeps ``forward_s``. The backward is two autograd nodes: the input's gradient (sleeps
+``input_grad_s``) and the weight's (sleeps ``weight_grad_s``), so a schedule that splits the backward can
+run them apart. The arithmetic is real (``y = x + bias``: the gradients are exact) so training on emulated
+layers can also be checked for equal weights.
+
+    layers = emulated_layers(8, width=16, times=DeviceTimes(0.01, 0.01, 0.01))
+    profile = emulated_profile(8, width=16, times=DeviceTimes(0.01, 0.01, 0.01), microbatch_size=4)
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+
+from lightning_oobleck.planning.profile import DTYPE_BYTES, LayerProfile, ModelProfile
+
+
+@dataclass(frozen=True)
+class DeviceTimes:
+    """Seconds an emulated layer takes per micro-batch for each part of its work."""
+
+    forward_s: float
+    input_grad_s: float
+    weight_grad_s: float
+
+    def __post_init__(self) -> None:
+        if min(self.forward_s, self.input_grad_s, self.weight_grad_s) < 0:
+            raise ValueError(f"emulated compute times must be >= 0, got {self}")
+
+    @property
+    def backward_s(self) -> float:
+        return self.input_grad_s + self.weight_grad_s
+
+
+class _Timed(torch.autograd.Function):
+    """The identity, whose forward sleeps ``forward_s`` and whose backward sleeps ``backward_s``."""
+
+    @staticmethod
+    def forward(ctx: Any, x: Tensor, forward_s: float, backward_s: float) -> Tensor:
+        ctx.backward_s = backward_s
+        if forward_s > 0:
+            time.sleep(forward_s)
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor, None, None]:
+        if ctx.backward_s > 0:
+            time.sleep(ctx.backward_s)
+        return grad, None, None
+
+
+class EmulatedLayer(nn.Module):
+    """``y = x + bias`` over the last dimension (``width``), taking ``times`` to compute."""
+
+    def __init__(self, width: int, times: DeviceTimes) -> None:
+        super().__init__()
+        self.times = times
+        self.bias = nn.Parameter(torch.empty(width))
+        self.reset_parameters()
+
+    def reset_parameters(self) -> None:
+        nn.init.normal_(self.bias, std=0.1)
+
+    def forward(self, x: Tensor) -> Tensor:
+        t = self.times
+        return _Timed.apply(x, t.forward_s, t.input_grad_s) + _Timed.apply(self.bias, 0.0, t.weight_grad_s)
+
+
+def emulated_layers(count: int, width: int, times: DeviceTimes) -> list[nn.Module]:
+    """``count`` emulated layers of ``width`` features, each taking ``times``."""
+    return [EmulatedLayer(width, times) for _ in range(count)]
+
+
+def emulated_profile(
+    count: int,
+    width: int,
+    times: DeviceTimes,
+    microbatch_size: int,
+    sequence: int = 1,
+    dtype: str = "float32",
+) -> ModelProfile:
+    """The profile of :func:`emulated_layers` for micro-batches of ``[microbatch_size, sequence, width]``:
+    the configured times, and the layers' real sizes."""
+    element = DTYPE_BYTES[dtype]
+    output = microbatch_size * sequence * width * element
+    layer = LayerProfile(
+        forward_s=times.forward_s,
+        backward_s=times.backward_s,
+        parameter_bytes=width * element,
+        output_activation_bytes=output,
+        activation_bytes=0,
+    )
+    return ModelProfile((layer,) * count, microbatch_size, device="emulated", dtype=dtype)
