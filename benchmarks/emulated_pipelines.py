@@ -152,7 +152,7 @@ def main() -> None:
             f"{measured * 1e3:.0f}",
             f"{measured / predicted:.3f}",
         )
-    Console().print(table)
+    Console(width=140).print(table)
 
 
 if __name__ == "__main__":
