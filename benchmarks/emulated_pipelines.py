@@ -6,7 +6,8 @@ sleep ``--layer-ms`` (``F = I = W``), so a process behaves like a device with kn
 few cores the machine has. The engine's training step (1F1B and the gradient sync) is timed, and compared
 with the cost model (:class:`~lightning_oobleck.planning.cost.CostModel`) on the matching profile
 (:func:`~lightning_oobleck.testing.emulated_profile`): the closed form ``sum_s t_s + (m - 1) max_s t_s`` per
-pipeline, the slowest pipeline's.
+pipeline, the slowest pipeline's; once with the cluster's default link latency, once with the latency of
+a gloo transfer between two of these processes, measured first (ping-pong of one micro-batch's activation).
 
     python benchmarks/emulated_pipelines.py [--layer-ms 5] [--steps 3] [--rounds 3]
 """
@@ -17,6 +18,7 @@ import argparse
 import multiprocessing as mp
 import statistics
 import time
+from dataclasses import replace
 from datetime import timedelta
 from typing import Any
 
@@ -56,8 +58,12 @@ def make_plan(layout: list[list[int]], microbatches: list[int]) -> Plan:
     return layout_plan(config, LAYERS, sum(len(bounds) - 1 for bounds in layout))
 
 
-def predicted_s(plan: Plan, times: DeviceTimes) -> float:
-    cost = CostModel(emulated_profile(LAYERS, WIDTH, times, MICRO), ClusterSpec(num_nodes=len(plan.nodes)))
+def predicted_s(plan: Plan, times: DeviceTimes, latency_s: float | None = None) -> float:
+    """The cost model's iteration time; ``latency_s``: the links' latency (default: the cluster's)."""
+    cluster = ClusterSpec(num_nodes=len(plan.nodes))
+    if latency_s is not None:
+        cluster = replace(cluster, intra_node_latency_s=latency_s, inter_node_latency_s=latency_s)
+    cost = CostModel(emulated_profile(LAYERS, WIDTH, times, MICRO), cluster)
     iterations = []
     for pipeline in plan.pipelines:
         stages = pipeline.template.stages
@@ -73,6 +79,7 @@ def loss(output: Tensor, target: Tensor) -> Tensor:
 
 
 def worker(index: int, port: int, name: str, times: DeviceTimes, steps: int, rounds: int, out: Any) -> None:
+    """One worker of layout ``name``: the median seconds per training step, over ``rounds``."""
     torch.set_num_threads(1)
     store = TCPStore("127.0.0.1", port, is_master=False, timeout=timedelta(seconds=120))
     plan = make_plan(*LAYOUTS[name])
@@ -101,21 +108,41 @@ def worker(index: int, port: int, name: str, times: DeviceTimes, steps: int, rou
     out.put((index, timings))
 
 
-def measure(name: str, times: DeviceTimes, steps: int, rounds: int) -> float:
-    plan = make_plan(*LAYOUTS[name])
+def ping_pong(index: int, port: int, messages: int, out: Any) -> None:
+    """Rank 0 and 1 bounce one micro-batch's activation; rank 0 reports the one-way time."""
+    torch.set_num_threads(1)
+    store = TCPStore("127.0.0.1", port, is_master=False, timeout=timedelta(seconds=120))
+    dist.init_process_group("gloo", store=store, rank=index, world_size=2)
+    activation = torch.zeros(MICRO, WIDTH)
+    first, second = (dist.send, dist.recv) if index == 0 else (dist.recv, dist.send)
+    for _ in range(10):
+        first(activation, 1 - index)
+        second(activation, 1 - index)
+    start = time.perf_counter()
+    for _ in range(messages):
+        first(activation, 1 - index)
+        second(activation, 1 - index)
+    out.put((index, (time.perf_counter() - start) / (2 * messages)))
+    dist.destroy_process_group()
+
+
+def spawn(target: Any, count: int, *args: Any) -> dict[int, Any]:
+    """Run ``target(index, store_port, *args, queue)`` in ``count`` processes; their results by index."""
     store = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=120))
     ctx = mp.get_context("spawn")
     out = ctx.Queue()
-    procs = [
-        ctx.Process(target=worker, args=(i, store.port, name, times, steps, rounds, out))
-        for i in range(len(plan.workers))
-    ]
+    procs = [ctx.Process(target=target, args=(i, store.port, *args, out)) for i in range(count)]
     for p in procs:
         p.start()
     results = dict(out.get(timeout=600) for _ in procs)
     for p in procs:
         p.join()
-    return statistics.median(results[0])
+    return results
+
+
+def measure(name: str, times: DeviceTimes, steps: int, rounds: int) -> float:
+    plan = make_plan(*LAYOUTS[name])
+    return statistics.median(spawn(worker, len(plan.workers), name, times, steps, rounds)[0])
 
 
 def main() -> None:
@@ -132,27 +159,26 @@ def main() -> None:
         title=f"1F1B on emulated devices: {LAYERS} layers, F = I = W = {args.layer_ms:g} ms per layer, "
         f"median over {args.rounds} rounds of {args.steps} steps"
     )
-    for column in (
-        "layout",
-        "micro-batches",
-        "processes",
-        "predicted ms",
-        "measured ms",
-        "measured / predicted",
-    ):
+    latency = spawn(ping_pong, 2, 200)[0]
+    columns = ("layout", "micro-batches", "processes", "measured ms", "predicted ms", "ratio")
+    columns += (f"predicted ms, {latency * 1e6:.0f} µs links", "ratio ")
+    for column in columns:
         table.add_column(column, justify="left" if column == "layout" else "right")
     for name, (layout, microbatches) in LAYOUTS.items():
         plan = make_plan(layout, microbatches)
-        predicted, measured = predicted_s(plan, times), measure(name, times, args.steps, args.rounds)
+        measured = measure(name, times, args.steps, args.rounds)
+        predicted, calibrated = predicted_s(plan, times), predicted_s(plan, times, latency)
         table.add_row(
             name,
             " + ".join(map(str, microbatches)),
             str(len(plan.workers)),
-            f"{predicted * 1e3:.0f}",
             f"{measured * 1e3:.0f}",
+            f"{predicted * 1e3:.0f}",
             f"{measured / predicted:.3f}",
+            f"{calibrated * 1e3:.0f}",
+            f"{measured / calibrated:.3f}",
         )
-    Console(width=140).print(table)
+    Console(width=160).print(table)
 
 
 if __name__ == "__main__":
