@@ -179,7 +179,8 @@ def main() -> None:
             killed = float((out / "killed_at").read_text())
             _, recoveries = read_events(out / EVENTS_FILE)
             steps = steps_of(out / f"{layout}-steps.jsonl")
-            first = min(s["time"] for s in steps if s["time"] > killed)
+            # rank 0 may record the end of the step before the kill after the victim started the next one
+            first = min(s["time"] for s in steps if s["step"] > k_step)
             oobleck[layout] = {"killed": killed, "event": recoveries[0], "steps": steps, "first": first}
 
         ddp = Path(tmp) / "ddp"
