@@ -248,10 +248,11 @@ class PipelineEngine:
         ``grad_norm`` (a step that does not clip by norm) the norm is not computed and comes back NaN.
         """
         part = loss if loss is not None else torch.zeros((), device=self.device)
-        nan = torch.full((1,), math.nan, dtype=torch.float64, device=self.device)
         values = torch.cat(
             [
-                self.grad_norm_sq().reshape(1) if grad_norm else nan,
+                self.grad_norm_sq().reshape(1)
+                if grad_norm
+                else torch.full((1,), math.nan, dtype=torch.float64, device=self.device),
                 part.detach().to(torch.float64).reshape(1),
                 torch.tensor([extra], dtype=torch.float64, device=self.device),
             ]

@@ -212,8 +212,7 @@ class Outbox:
         self._abort = abort
         self._header = header
         self._spec: pytree.TreeSpec | None = None
-        self._assumed: Metas | None = None  # what the peer's speculative receive is shaped for
-        self._speculating = True
+        self._assumed: Metas | None = None  # what the peer's speculative receive is shaped for (None: none)
         self._pending: list[tuple[dist.Work, Tensor]] = []
 
     def send(
@@ -228,7 +227,8 @@ class Outbox:
             return
         assert spec is not None
         metas = tuple(TensorMeta.of(t, g) for t, g in zip(leaves, grads, strict=True))
-        if self._spec is None:
+        first, assumed = self._spec is None, self._assumed
+        if first:
             preamble = encode_preamble(spec, metas).to(self.device)
             self._isend(preamble[:_PREAMBLE])
             self._isend(preamble[_PREAMBLE:])
@@ -238,13 +238,12 @@ class Outbox:
                 f"a stage's output changed structure within a step (from {self._spec} to {spec}): every "
                 "micro-batch must give the same tensors (shapes may differ)"
             )
-        elif self._assumed is None:
+        elif assumed is None:  # speculation stopped: the metadata go ahead
             self._isend(pack(metas, [], self.device, _metas_size(len(metas))))
-        elif metas != self._assumed:
-            self._isend(pack(metas, [], self.device, _layout(self._assumed).size))
-            self._speculating = False
+        elif metas != assumed:  # fills the speculative receive; speculation stops
+            self._isend(pack(metas, [], self.device, _layout(assumed).size))
         self._isend(pack(metas, leaves, self.device))
-        self._assumed = metas if self._speculating else None
+        self._assumed = metas if first or metas == assumed else None
 
     def _isend(self, t: Tensor) -> None:
         if t.numel() == 0:
@@ -283,8 +282,7 @@ class Inbox:
         self._waiter = waiter
         self._abort = abort
         self._spec: pytree.TreeSpec | None = None
-        self._metas: Metas | None = None  # what the speculative receive is shaped for
-        self._speculating = True
+        self._metas: Metas | None = None  # what the speculative receive is shaped for (None: none)
         self._next: _Received | None = None  # the structure's length, metadata, or a speculative message
         if count > 0 and header:
             self._next = self._irecv(self._empty(_PREAMBLE))
@@ -315,17 +313,18 @@ class Inbox:
             return self._wait([self._irecv(m.empty(self.device)) for m in metas]), list(metas)
         assert self._next is not None
         [head] = self._wait([self._next])
-        if self._spec is None:
+        first = self._spec is None
+        if first:
             if (size := preamble_size(head)) > _PREAMBLE:
                 head = torch.cat([head, self._receive(size - _PREAMBLE)])
             self._spec, metas = decode_preamble(head)
         else:
             metas = unpack_metas(head, self._spec.num_leaves, self._metas)
-        speculative = self._metas is not None  # ``head`` is a whole packed message, or metadata alone
-        if speculative and metas != self._metas:  # ``head`` holds only the metadata: the data follows
-            self._speculating = False
-        message = head if speculative and self._speculating else self._receive(_layout(metas).size)
-        self._metas = metas if self._speculating else None
+        # ``head`` is the whole packed message when the speculative receive was shaped for it; otherwise it
+        # held the metadata alone and the data follow (and speculation stops for the step)
+        hit = self._metas is not None and metas == self._metas
+        message = head if hit else self._receive(_layout(metas).size)
+        self._metas = metas if first or hit else None
         if self._remaining > 0:
             size = _layout(metas).size if self._metas is not None else _metas_size(len(metas))
             self._next = self._irecv(self._empty(size))

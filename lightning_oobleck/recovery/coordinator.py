@@ -50,8 +50,6 @@ class _Connection:
     reader: LineReader = field(default_factory=LineReader)
     outbox: bytearray = field(default_factory=bytearray)
     writing: bool = False
-    broken: str | None = None
-    """Why sending to it failed; its end is applied after the messages it sent before (a LEAVE)."""
 
 
 class Coordinator:
@@ -110,6 +108,8 @@ class Coordinator:
         self._lock = threading.Lock()
         """Held while the machine changes, so that other threads read consistent records."""
         self._connections: dict[int, _Connection] = {}
+        self._broken: dict[int, str] = {}
+        """Connections a send failed on (id: why), ended by :meth:`_end_broken` after what they still hold."""
         self._next_id = 0
         self._exits: list[tuple[Worker, str]] = []
 
@@ -234,22 +234,20 @@ class Coordinator:
     def _apply(self, event: Callable[[], list[Effect]]) -> None:
         """Run one machine event under the lock, then carry out its effects; a connection a send fails on is
         ended by :meth:`_end_broken`."""
-        pending = [event]
-        while pending:
-            with self._lock:
-                effects = pending.pop(0)()
-            for effect in effects:
-                conn = self._connections.get(effect.conn)
-                if conn is None:
-                    continue
-                if isinstance(effect, Send):
-                    conn.outbox += encode(effect.op, **effect.fields)
-                    if (error := self._flush(conn)) is not None:
-                        conn.broken = conn.broken or f"sending to it failed ({error}): the process died"
-                elif isinstance(effect, Kill):
-                    self._kill(conn, effect.pid)
-                elif isinstance(effect, Close):
-                    self._close(conn)
+        with self._lock:
+            effects = event()
+        for effect in effects:
+            conn = self._connections.get(effect.conn)
+            if conn is None:
+                continue
+            if isinstance(effect, Send):
+                conn.outbox += encode(effect.op, **effect.fields)
+                if (error := self._flush(conn)) is not None:
+                    self._broken.setdefault(conn.id, f"sending to it failed ({error}): the process died")
+            elif isinstance(effect, Kill):
+                self._kill(conn, effect.pid)
+            elif isinstance(effect, Close):
+                self._close(conn)
 
     def _accept(self) -> None:
         try:
@@ -266,7 +264,7 @@ class Coordinator:
 
     def _service(self, conn: _Connection, events: int) -> None:
         if events & selectors.EVENT_WRITE and (error := self._flush(conn)) is not None:
-            conn.broken = conn.broken or f"sending to it failed ({error}): the process died"
+            self._broken.setdefault(conn.id, f"sending to it failed ({error}): the process died")
             return
         if not events & selectors.EVENT_READ or conn.id not in self._connections:
             return
@@ -297,16 +295,18 @@ class Coordinator:
     def _end_broken(self) -> None:
         """End the connections a send failed on, each after the messages it still holds: a worker that
         sent LEAVE and closed its end before a reply to its last heartbeat left normally; it did not die."""
-        while broken := [c for c in self._connections.values() if c.broken is not None]:
-            conn, messages = broken[0], []
+        while self._broken:
+            conn_id, why = self._broken.popitem()
+            conn, messages = self._connections.get(conn_id), []
+            if conn is None:
+                continue
             with contextlib.suppress(OSError, ValueError):  # no more data (BlockingIOError), reset, garbage
                 while data := conn.sock.recv(65536):
                     messages += conn.reader.feed(data)
             for msg in messages:
-                self._apply(lambda c=conn.id, m=msg: self.machine.received(c, m, time.monotonic()))
-            if conn.id in self._connections:
-                why = conn.broken
-                self._apply(lambda c=conn.id, r=why: self.machine.ended(c, r, time.monotonic()))
+                self._apply(lambda c=conn_id, m=msg: self.machine.received(c, m, time.monotonic()))
+            if conn_id in self._connections:
+                self._apply(lambda c=conn_id, r=why: self.machine.ended(c, r, time.monotonic()))
                 self._close(conn)
 
     def _kill(self, conn: _Connection, pid: int) -> None:

@@ -7,6 +7,7 @@ from __future__ import annotations
 import os
 import runpy
 import sys
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -22,25 +23,29 @@ def announce_slurm_task() -> bool:
     return announce_presence((int(os.environ["SLURM_NODEID"]), int(os.environ["SLURM_LOCALID"])))
 
 
+def run_script(script: str, args: Sequence[str]) -> None:
+    """Announce this task, then run ``script`` as ``__main__`` as ``python SCRIPT ARGS`` would: with
+    ``sys.argv = [script, *args]`` and the script's directory first on ``sys.path`` (so that it imports its
+    neighbours)."""
+    announce_slurm_task()
+    sys.argv = [script, *args]
+    sys.path.insert(0, str(Path(script).parent))
+    runpy.run_path(script, run_name="__main__")
+
+
 @dataclass(frozen=True)
 class ScriptTask:
-    """Runs a training script as ``__main__`` inside the task, with ``sys.argv = [script, *args]``, after
-    announcing the task (:func:`announce_slurm_task`).
-
-    The script's directory comes first on ``sys.path``, as ``python SCRIPT`` would put it, so that the script
-    imports its neighbours. Returns 0 when the script ends normally or with ``sys.exit(0)``; another exit
-    status is raised as an error, so that submitit records the task as failed.
+    """Runs a training script in a submitit task (:func:`run_script`). Returns 0 when the script ends
+    normally or with ``sys.exit(0)``; another exit status is raised as an error, so that submitit records the
+    task as failed.
     """
 
     script: str
     args: tuple[str, ...] = ()
 
     def __call__(self) -> int:
-        announce_slurm_task()
-        sys.argv = [self.script, *self.args]
-        sys.path.insert(0, str(Path(self.script).parent))
         try:
-            runpy.run_path(self.script, run_name="__main__")
+            run_script(self.script, self.args)
         except SystemExit as e:
             if e.code not in (None, 0):
                 raise RuntimeError(f"{self.script} exited with status {e.code}") from None
@@ -48,17 +53,12 @@ class ScriptTask:
 
 
 def main(argv: list[str] | None = None) -> None:
-    """``python -m lightning_oobleck.slurm.task SCRIPT [ARGS]``: run SCRIPT as ``python SCRIPT ARGS`` would,
-    announced first; its exit status is the process's."""
+    """``python -m lightning_oobleck.slurm.task SCRIPT [ARGS]``: :func:`run_script`; its exit status is the
+    process's."""
     argv = sys.argv[1:] if argv is None else argv
     if not argv:
-        sys.exit(
-            f"usage: python -m {__spec__.name if __spec__ else 'lightning_oobleck.slurm.task'} SCRIPT [ARGS]"
-        )
-    announce_slurm_task()
-    sys.argv = argv
-    sys.path[0] = str(Path(argv[0]).parent)
-    runpy.run_path(argv[0], run_name="__main__")
+        sys.exit("usage: python -m lightning_oobleck.slurm.task SCRIPT [ARGS]")
+    run_script(argv[0], argv[1:])
 
 
 if __name__ == "__main__":
