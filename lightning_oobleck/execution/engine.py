@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import math
 import threading
+from collections.abc import Sequence
 from typing import Any
 
 import torch
@@ -87,7 +88,8 @@ class PipelineEngine:
     on the meta device, so only owned layers are materialised). ``loss_fn(output, targets)`` returns the
     mean loss of one micro-batch. ``abort``: set it (e.g. from a heartbeat thread) to make a blocked
     step raise :class:`~lightning_oobleck.execution.errors.PeerFailure` promptly.
-    ``bucket_cap_bytes``: the largest flat buffer of the gradient sync.
+    ``bucket_cap_bytes``: the largest flat buffer of the gradient sync. ``module``: this worker's layers
+    already built and filled (a joiner's, copied from its peers) instead of materialising them.
 
     Gradients accumulate into ``.grad`` like plain PyTorch: zero them between steps.
     """
@@ -103,6 +105,7 @@ class PipelineEngine:
         dtype: torch.dtype | None = None,
         bucket_cap_bytes: int = DEFAULT_BUCKET_CAP_BYTES,
         init: LayerInit = reset_parameters,
+        module: StageModule | None = None,
     ) -> None:
         layers = resolve_layers(layers_or_factory)
         self.num_layers = len(layers)
@@ -114,7 +117,9 @@ class PipelineEngine:
         self.bucket_cap_bytes = bucket_cap_bytes
         self._grad_sync: GradientSync | None = None
         role = groups.plan.role(*groups.worker)
-        self.module: StageModule = build_stage(layers_or_factory, role.layers, device, seed, dtype, init)
+        self.module: StageModule = module or build_stage(
+            layers_or_factory, role.layers, device, seed, dtype, init
+        )
         self.reconfigure(groups, self.module)
 
     def reconfigure(self, groups: ProcessGroups, module: StageModule) -> None:
@@ -238,13 +243,14 @@ class PipelineEngine:
             self.plan.microbatch_size / self.plan.global_batch_size,
         )
 
-    def commit(self, loss: Tensor | None, extra: float = 0.0, grad_norm: bool = True) -> list[float]:
+    def commit(self, loss: Tensor | None, extra: Sequence[float] = (), grad_norm: bool = True) -> list[float]:
         """The end of a training step, after :meth:`train_step`: all-reduce (sum, bounded, abortable)
-        ``[this worker's part of the squared gradient norm, its loss part, extra]`` over every worker.
+        ``[this worker's part of the squared gradient norm, its loss part, *extra]`` over every worker.
 
-        Returns ``[global squared gradient norm, global mean loss, sum of extra]``; its completion on any
+        Returns ``[global squared gradient norm, global mean loss, *sums of extra]``; its completion on any
         worker proves that every worker finished the step's gradient sync. ``extra`` lets the caller share
-        one more number per step without another collective (the Lightning glue: its SIGTERM flag). Without
+        more numbers per step without another collective (the Lightning glue: its SIGTERM flag; the
+        recovery: the joiners waiting). Without
         ``grad_norm`` (a step that does not clip by norm) the norm is not computed and comes back NaN.
         """
         part = loss if loss is not None else torch.zeros((), device=self.device)
@@ -254,7 +260,7 @@ class PipelineEngine:
                 if grad_norm
                 else torch.full((1,), math.nan, dtype=torch.float64, device=self.device),
                 part.detach().to(torch.float64).reshape(1),
-                torch.tensor([extra], dtype=torch.float64, device=self.device),
+                torch.tensor(list(extra), dtype=torch.float64, device=self.device),
             ]
         )
         return self.groups.all_reduce(values, self.abort).tolist()

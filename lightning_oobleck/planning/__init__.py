@@ -1,7 +1,7 @@
 """The planner: pipeline templates, instantiation with the f+1 guarantee, batch distribution, replanning.
 
 Pure Python + NumPy/SciPy (no torch). Entry points: :func:`make_plan` for a fresh cluster,
-:func:`after_failures` / :func:`after_joins` for the next plan when nodes fail or join.
+:func:`reconfigure` (:func:`after_failures`, :func:`after_joins`) for the next plan when nodes fail or join.
 """
 
 from lightning_oobleck.planning.cluster import ClusterSpec
@@ -13,6 +13,7 @@ from lightning_oobleck.planning.reconfigure import (
     ReconfigurationError,
     after_failures,
     after_joins,
+    reconfigure,
 )
 
 __all__ = [
@@ -31,5 +32,6 @@ __all__ = [
     "after_failures",
     "after_joins",
     "make_plan",
+    "reconfigure",
     "synthetic_gpt_profile",
 ]

@@ -15,8 +15,9 @@ When survivors drop below ``(f + 1) n0``, the plan keeps the largest fault toler
 ``Plan.warnings``. Below ``n0`` survivors, or when every replica of a layer is lost, no pipeline can
 continue and :class:`ReconfigurationError` says how to resume.
 
-Joining nodes get fresh ids. ``n0`` or more form new pipelines; fewer are added to the smallest
-pipelines that grow into a template size.
+Joining nodes come with ids no plan used (:func:`reconfigure` takes them; :func:`after_joins` numbers
+them from the plan's ``next_node_id``). ``n0`` or more form new pipelines; fewer are added to the smallest
+pipelines that grow into a template size. Failures and joins seen at once are one reconfiguration.
 
 The result carries the copy list: for every layer a worker must newly hold, a surviving worker that
 held it, preferring one on the same node and otherwise spreading the copies over the replicas.
@@ -216,11 +217,30 @@ def _target(plan: Plan, layout: _Layout, total_nodes: int) -> int:
 
 def after_failures(plan: Plan, failed: Iterable[int]) -> Reconfiguration:
     """The plan once the nodes ``failed`` are gone, and the copies that restore every layer."""
+    return reconfigure(plan, failed=failed)
+
+
+def after_joins(plan: Plan, count: int) -> Reconfiguration:
+    """The plan once ``count`` new nodes (fresh ids from ``next_node_id``) join, and the copies that fill
+    them (``oobleck replan --add``)."""
+    if count < 1:
+        raise ReconfigurationError(f"--add needs a positive number of nodes, got {count}")
+    first_id = _next_node_id(plan)
+    return reconfigure(plan, joined=range(first_id, first_id + count))
+
+
+def reconfigure(plan: Plan, failed: Iterable[int] = (), joined: Iterable[int] = ()) -> Reconfiguration:
+    """The plan once the nodes ``failed`` are gone and the nodes ``joined`` (new ids, in the order given)
+    came, in one step, and the copies that fill every worker that newly holds a layer from a survivor."""
     started = time.perf_counter()
-    failed = set(failed)
+    failed, joined = set(failed), list(dict.fromkeys(joined))
     known = set(plan.nodes)
     if unknown := sorted(failed - known):
         raise ReconfigurationError(f"node id(s) {unknown} are not in the plan; its nodes are {sorted(known)}")
+    if taken := sorted(set(joined) & (known | failed)):
+        raise ReconfigurationError(
+            f"joining node id(s) {taken} are already in the plan: a node that comes back joins with a new id"
+        )
     alive = known - failed
     if len(alive) < plan.n0:
         raise ReconfigurationError(
@@ -235,31 +255,31 @@ def after_failures(plan: Plan, failed: Iterable[int]) -> Reconfiguration:
         )
     layout = _Layout(plan, alive)
     groups = [[n for n in p.nodes if n in alive] for p in plan.pipelines]
-    groups = _repair(groups, layout, _target(plan, layout, len(alive)))
-    return _finish(plan, groups, layout, alive, started, int(plan.extra.get("next_node_id", max(known) + 1)))
+    if failed:
+        groups = _repair(groups, layout, _target(plan, layout, len(alive)))
+    if joined:
+        groups = _add(groups, joined, layout, plan.num_microbatches)
+    total = len(alive) + len(joined)
+    groups = _repair(groups, layout, _target(plan, layout, total))
+    next_id = max(_next_node_id(plan), max(joined, default=-1) + 1)
+    return _finish(plan, groups, layout, alive, started, next_id)
 
 
-def after_joins(plan: Plan, count: int) -> Reconfiguration:
-    """The plan once ``count`` new nodes (fresh ids) join, and the copies that fill them."""
-    started = time.perf_counter()
-    if count < 1:
-        raise ReconfigurationError(f"--add needs a positive number of nodes, got {count}")
-    alive = set(plan.nodes)
-    first_id = int(plan.extra.get("next_node_id", max(alive) + 1))
-    new = list(range(first_id, first_id + count))
-    layout = _Layout(plan, alive)
-    groups = [list(p.nodes) for p in plan.pipelines]
-    room = plan.num_microbatches - len(groups)
-    parts = min(max_parts(layout.sizes, count), room)
+def _next_node_id(plan: Plan) -> int:
+    return int(plan.extra.get("next_node_id", max(plan.nodes) + 1))
+
+
+def _add(groups: list[list[int]], new: list[int], layout: _Layout, microbatches: int) -> list[list[int]]:
+    """``groups`` with the nodes ``new``: as new pipelines where they form one (and a pipeline still gets a
+    micro-batch), otherwise added to the smallest pipelines that grow into a template size."""
+    parts = min(max_parts(layout.sizes, len(new)), microbatches - len(groups))
     if parts > 0:
-        groups += _resplit([new], layout, parts)
-    else:
-        for node in new:
-            growable = [g for g in groups if len(g) + 1 in layout.sizes]
-            if not growable:
-                grown = [*groups, [node]]
-                groups = _resplit(grown, layout, _fewest_parts(layout, len(groups), sum(map(len, grown))))
-                continue
-            min(growable, key=len).append(node)
-    groups = _repair(groups, layout, _target(plan, layout, len(alive) + count))
-    return _finish(plan, groups, layout, alive, started, first_id + count)
+        return groups + _resplit([new], layout, parts)
+    for node in new:
+        growable = [g for g in groups if len(g) + 1 in layout.sizes]
+        if not growable:
+            grown = [*groups, [node]]
+            groups = _resplit(grown, layout, _fewest_parts(layout, len(groups), sum(map(len, grown))))
+            continue
+        min(growable, key=len).append(node)
+    return groups

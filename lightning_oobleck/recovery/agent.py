@@ -70,6 +70,10 @@ class AgreementTimeout(RecoveryError, TimeoutError):
     """No agreement was reached within the caller's timeout."""
 
 
+class TrainingFinished(RecoveryError):
+    """The training ended while this worker waited to be admitted (a joiner): nothing is left to do."""
+
+
 class GenerationChanged(RecoveryError):
     """A newer generation was announced while waiting for an older one's agreement."""
 
@@ -88,12 +92,13 @@ class WorkerAgent:
 
     def __init__(
         self,
-        worker: tuple[int, int],
+        worker: tuple[int | None, int],
         address: str | None = None,
         *,
         connect_timeout: float = 30.0,
         secret: str | None = None,
         timeouts: Timeouts | None = None,
+        node_key: str | None = None,
     ) -> None:
         address = address or os.environ.get(ADDRESS_ENV)
         if not address:
@@ -104,7 +109,14 @@ class WorkerAgent:
         self._host, self._port = parse_address(address)
         self.address = address
         self._secret = secret if secret is not None else os.environ.get(SECRET_ENV)
-        self.worker = Worker(*worker)
+        node, device = worker
+        if node is None and not node_key:
+            raise ValueError("a worker without a node id (a joiner) needs node_key: a name for its node")
+        self.worker = Worker(-1 if node is None else node, device)
+        """This worker's ``(node, device)``; a joiner's node id is known once :meth:`start` returned."""
+        self.node_key = node_key if node is None else None
+        self.joiners = 0
+        """How many whole nodes wait to join, as the coordinator last said (members only)."""
         self.connect_timeout = connect_timeout
         self.timeouts = timeouts
         """The failure detector's timeouts this worker's configuration asks for (``None``: the
@@ -116,6 +128,7 @@ class WorkerAgent:
         self.heartbeat_interval = 0.5
         self.heartbeat_timeout = 2.0
         self._cond = threading.Condition()
+        self._nothing_to_admit = -1
         self._announced: Membership | None = None
         self._agreed: Membership | None = None
         self._error: RecoveryError | None = None
@@ -152,7 +165,8 @@ class WorkerAgent:
         try:
             self._send(
                 "register",
-                node=self.worker.node,
+                node=None if self.node_key else self.worker.node,
+                **({"node_key": self.node_key} if self.node_key else {}),
                 device=self.worker.device,
                 pid=os.getpid(),
                 host=socket.gethostname(),
@@ -193,6 +207,7 @@ class WorkerAgent:
             raise RegistrationRefused(
                 f"the coordinator refused worker {tuple(self.worker)}: {first['reason']}"
             )
+        self.worker = Worker(int(first["node"]), self.worker.device)
         self.heartbeat_interval = float(first["heartbeat_interval"])
         self.heartbeat_timeout = float(first["heartbeat_timeout"])
         self._sock.settimeout(max(1.0, self.heartbeat_timeout))
@@ -241,8 +256,9 @@ class WorkerAgent:
 
     # ------------------------------------------------------------------ agreement
 
-    def wait_announced(self, after: int, timeout: float) -> Membership:
-        """Wait for a generation newer than ``after`` to be announced; return the newest."""
+    def wait_announced(self, after: int, timeout: float | None) -> Membership:
+        """Wait for a generation newer than ``after`` to be announced (``timeout=None``: as long as the
+        coordinator runs); return the newest."""
         with self._cond:
             self._cond.wait_for(
                 lambda: self._error or (self._announced and self._announced.generation > after), timeout
@@ -250,7 +266,7 @@ class WorkerAgent:
             self._raise_error()
             if self._announced is None or self._announced.generation <= after:
                 raise AgreementTimeout(
-                    f"no generation newer than {after} was announced within {timeout:g} s "
+                    f"no generation newer than {after} was announced within {timeout} s "
                     f"(are all {'workers started' if after < 0 else 'survivors connected'}?)"
                 )
             return self._announced
@@ -297,6 +313,29 @@ class WorkerAgent:
                 return self.ready_for(announced.generation, max(0.0, deadline - time.monotonic()))
             except GenerationChanged:
                 after = announced.generation
+
+    def request_admission(self, generation: int, nodes: int, timeout: float) -> bool:
+        """At a step boundary of ``generation``: ask the coordinator to admit up to ``nodes`` whole pending
+        nodes now.
+
+        Returns ``True`` once a newer generation is announced (``abort`` is then set: recover into it),
+        ``False`` if nobody is left to admit (generation ``generation`` goes on)."""
+        self._send_or_lose("admit", generation=generation, nodes=nodes)
+
+        def answered() -> bool:
+            newest = self._announced
+            return bool(
+                self._error
+                or (newest is not None and newest.generation > generation)
+                or self._nothing_to_admit >= generation
+            )
+
+        with self._cond:
+            if not self._cond.wait_for(answered, timeout):
+                raise AgreementTimeout(f"the coordinator did not answer an admission within {timeout:g} s")
+            self._raise_error()
+            assert self._announced is not None
+            return self._announced.generation > generation
 
     def report_suspect(self, worker: tuple[int, int], reason: str = "") -> None:
         """Hint from a communication error: ``worker`` looks dead. The coordinator checks and decides."""
@@ -372,6 +411,19 @@ class WorkerAgent:
                 self._announced = membership
                 self._set_abort()
                 self._cond.notify_all()
+        elif op == "joiners":
+            self.joiners = int(msg["nodes"])
+        elif op == "finished":
+            with self._cond:
+                self._error = TrainingFinished(
+                    f"worker {tuple(self.worker)} was not admitted: {msg['reason']}"
+                )
+                self._cond.notify_all()
+        elif op == "nothing_to_admit":
+            with self._cond:
+                self._nothing_to_admit = int(msg["generation"])
+                self.joiners = 0
+                self._cond.notify_all()
         elif op == "go":
             with self._cond:
                 if self._announced is not None and self._announced.generation == msg["generation"]:
@@ -385,8 +437,8 @@ class WorkerAgent:
             self.abort.set()
 
     def _lose(self, reason: str) -> None:
-        if self._closing.is_set():
-            return
+        if self._closing.is_set() or isinstance(self._error, TrainingFinished):
+            return  # closed by this worker, or by the coordinator after it said why
         with self._cond:
             self._error = CoordinatorLost(
                 f"lost the oobleck coordinator at {self.address}: {reason}. Its host is a single point of "

@@ -17,10 +17,15 @@ member not ready within ``agreement_timeout``):
 event           STARTING                AGREEING(g)             RUNNING(g)            SETTLING
 ==============  ======================  ======================  ====================  =====================
 register        pending; once every     joins off: refused;     joins off: refused;   joins off: refused;
-                worker registered or    else pending and a      else pending and a    else pending: in the
-                was lost: announce      change is scheduled     change is scheduled   coming generation
-                generation 0 to the     (SETTLING)              (SETTLING)
-                live ones (AGREEING)
+                worker registered or    else *pending*: not a   else pending; the     else pending
+                was lost: announce      member, the members     members are told how
+                generation 0 to the     told how many whole     many whole nodes
+                live ones (AGREEING)    nodes are pending       are pending
+admit(g)        -                       -                       whole pending nodes:  the coming
+(a member, at                                                   announce g+1 with     generation admits
+a step                                                          them (AGREEING);      the whole pending
+boundary)                                                       none: nothing_to_     nodes
+                                                                admit(g)
 bad client:     refused; nothing        refused; nothing        refused; nothing      refused; nothing
 no secret, a    else changes (no        else changes            else changes          else changes
 taken (node,    state, no kill)
@@ -34,19 +39,29 @@ its end         before the start
                 (unless registered)
 death           its node fenced;        node fenced; ABORT      node fenced; ABORT    node fenced; folded
                 lost before the         to the members of       to the members of     into the coming
-                start: maybe            g; SETTLING             g; SETTLING           change
-                announce gen 0
+                start: maybe            g; SETTLING (a          g; SETTLING (a        change
+                announce gen 0          pending joiner: just    pending joiner: just
+                                        dropped)                dropped)
 ready(g)        -                       recorded; all           stale: ignored        recorded; GO waits
                                         members ready:                                for the next
                                         GO(g), RUNNING                                announcement
 leave           -                       finished (counts        finished; no          finished
-                                        as ready)               generation change
+                                        as ready)               generation change;
+                                                                the last member:
+                                                                FINISHED to the
+                                                                pending joiners
 settle          -                       -                       -                     announce g+1: the
-timer                                                                                 live workers
-                                                                                      (AGREEING)
+timer                                                                                 live members (and
+                                                                                      the admitted
+                                                                                      joiners; AGREEING)
 agreement       -                       live members not        -                     -
 timer                                   ready are deaths
 ==============  ======================  ======================  ====================  =====================
+
+A joiner is admitted only at a step boundary, when a member asks (``admit``), so that it never disturbs a
+step in progress; a node is admitted once all its ``devices_per_node`` processes are pending. A joiner may
+register without a node id (``node_key``: a name for its node, e.g. the host and the job): the
+machine then gives it a node id no worker of the job ever had, the same for every process of that key.
 
 A death takes the whole node out (the node is the failure domain): every process of that node is fenced,
 the ones that are alive are sent FENCED and, with ``kill_fenced`` on this host, killed. A death whose
@@ -197,6 +212,12 @@ class MembershipMachine:
         self._agree_deadline: float | None = None
         self._change_at: float | None = None
         self._change_detected_at: float | None = None
+        self._admitted: set[Worker] = set()
+        """Every worker that was a member of an announced generation (the others alive are pending)."""
+        self._admitting = 0
+        """How many whole pending nodes a member asked to admit: the next announcement does."""
+        self._node_ids: dict[str, int] = {}
+        self._told_pending = 0
         self._out: list[Effect] = []
 
     # ------------------------------------------------------------------ state
@@ -225,6 +246,14 @@ class MembershipMachine:
     def alive(self) -> tuple[Worker, ...]:
         """Registered workers not declared dead and not finished."""
         return tuple(sorted(self._alive))
+
+    @property
+    def pending(self) -> tuple[Worker, ...]:
+        """Joiners registered and alive, not yet admitted, of nodes whose every process registered."""
+        waiting = [w for w in self._alive if w not in self._admitted]
+        nodes = {w.node for w in waiting}
+        whole = {n for n in nodes if sum(w.node == n for w in self._alive) >= self.devices_per_node}
+        return tuple(sorted(w for w in waiting if w.node in whole))
 
     def next_deadline(self) -> float | None:
         """When :meth:`tick` must run next (``None``: no timer is pending)."""
@@ -326,6 +355,8 @@ class MembershipMachine:
             self._suspect(Worker(int(msg["node"]), int(msg["device"])), str(msg.get("reason", "")), now)
         elif op == "leave":
             self._leave(peer, now)
+        elif op == "admit":
+            self._admit(peer, int(msg["generation"]), int(msg.get("nodes") or 1 << 30), now)
         else:
             log.warning("ignoring unknown message %r from worker %s", op, tuple(peer.worker))
 
@@ -342,7 +373,10 @@ class MembershipMachine:
     def _register(self, peer: _Peer, msg: dict[str, Any], now: float) -> None:
         if not self._authentic(peer, msg):
             return
-        worker = Worker(int(msg["node"]), int(msg["device"]))
+        node = msg.get("node")
+        if node is None:
+            node = self._node_ids.setdefault(str(msg["node_key"]), self._fresh_node_id())
+        worker = Worker(int(node), int(msg["device"]))
         if self._current is not None and not self.allow_joins:
             self._refuse(
                 peer,
@@ -375,6 +409,7 @@ class MembershipMachine:
         self._send(
             peer,
             "welcome",
+            node=worker.node,
             heartbeat_interval=self.heartbeat_interval,
             heartbeat_timeout=self.heartbeat_timeout,
         )
@@ -382,7 +417,40 @@ class MembershipMachine:
         if self._current is None:
             self._maybe_start(now)
         else:
-            self._schedule_change(now, self.settle_s)
+            log.info("worker %s is pending: it joins at the next step boundary", tuple(worker))
+            self._tell_pending()
+            self._release_joiners_if_over()
+
+    def _fresh_node_id(self) -> int:
+        """A node id that no worker of the job ever had (a node that comes back is a new node)."""
+        used = {w.node for w in self._alive} | set(self._dead_nodes) | {w.node for w in self._admitted}
+        used |= {w.node for w in self._lost_before_start} | set(self._node_ids.values())
+        used |= set(range(self.world_size // self.devices_per_node))
+        return max(used, default=-1) + 1
+
+    def _admit(self, peer: _Peer, generation: int, nodes: int, now: float) -> None:
+        """A member reached the step boundary after generation ``generation``'s commit that saw joiners:
+        admit up to ``nodes`` whole pending nodes (the lowest ids first)."""
+        current = self._current
+        if current is None or generation != current.generation or peer.worker not in current.workers:
+            return  # it was or is being told about the newer generation
+        if not self.pending:
+            self._send(peer, "nothing_to_admit", generation=generation)
+            return
+        self._admitting = max(1, nodes)
+        if self._change_at is None:  # else a change settles: its generation admits them
+            self._schedule_change(now, 0.0)
+            self._announce(now)
+
+    def _tell_pending(self) -> None:
+        """Tell the members how many whole nodes are pending, when that changes."""
+        nodes = len({w.node for w in self.pending})
+        if nodes == self._told_pending or self._current is None:
+            return
+        self._told_pending = nodes
+        for w in self._current.workers:
+            if w in self._alive:
+                self._send(self._alive[w], "joiners", nodes=nodes)
 
     def _adopt_timeouts(self, worker: Worker, msg: dict[str, Any]) -> str | None:
         """Take the first registration's timeouts as the job's; the reason to refuse one that differs."""
@@ -424,6 +492,18 @@ class MembershipMachine:
         self.finished.add(worker)
         self._close(peer)
         self._maybe_go(now)
+        self._release_joiners_if_over()
+
+    def _release_joiners_if_over(self) -> None:
+        """Once the last member left (finished), the training is over: the pending joiners are told so and
+        let go."""
+        if self._current is None or any(w in self._admitted for w in self._alive):
+            return
+        for w in [w for w in self._alive if w not in self._admitted]:
+            log.info("worker %s was pending when the training ended", tuple(w))
+            peer = self._alive.pop(w)
+            self._send(peer, "finished", reason="the training ended before this worker was admitted")
+            self._close(peer)
 
     # ------------------------------------------------------------------ membership changes
 
@@ -466,14 +546,15 @@ class MembershipMachine:
             ):
                 self._out.append(Kill(peer.conn, int(peer.pid)))
             self._close(peer)
+        self._tell_pending()
         if self._current is None:
             self._lost_before_start |= {Worker(node, d) for d in range(self.devices_per_node)}
             self._lost_before_start |= {worker, *victims}
             self._maybe_start(now)
             return
-        self._schedule_change(now, 0.0 if explained else self.settle_s)
         if not set(victims) & set(self._current.workers):
-            return  # a worker that had not joined yet: nobody to abort
+            return  # a pending joiner: nothing to change, nobody to abort
+        self._schedule_change(now, 0.0 if explained else self.settle_s)
         for member in self._current.workers:
             if member in self._alive:
                 self._send(
@@ -490,10 +571,15 @@ class MembershipMachine:
         self._change_at = min(now + settle_s, self._change_at or float("inf"))
 
     def _announce(self, now: float) -> None:
-        """Publish the next generation: every live registered worker, in rank order."""
+        """Publish the next generation: every live member, and the pending joiners when admitting, in rank
+        order."""
         self._change_at = None
-        workers = tuple(sorted(self._alive))
-        if self._current is None:  # the start: "removed" are the workers lost before it
+        nodes = sorted({w.node for w in self.pending})[: self._admitting]
+        joining = {w for w in self.pending if w.node in nodes}
+        self._admitting = 0
+        workers = tuple(sorted(w for w in self._alive if w in self._admitted or w in joining))
+        if self._current is None:  # the start: every registered worker; "removed": those lost before it
+            workers = tuple(sorted(self._alive))
             removed, added = tuple(sorted(self._lost_before_start)), ()
         else:
             if not workers or workers == self._current.workers:
@@ -512,6 +598,8 @@ class MembershipMachine:
             generation, workers, removed, added, "; ".join(causes), detected_at=self._change_detected_at
         )
         self.history.append(self._current)
+        self._admitted |= set(workers)
+        self._told_pending = -1
         self._ready = set()
         self._agree_deadline = now + self.agreement_timeout
         log.info(
@@ -519,6 +607,7 @@ class MembershipMachine:
         )
         for w in workers:
             self._send(self._alive[w], "announce", **self._current.to_message())
+        self._tell_pending()
 
     def _maybe_go(self, now: float) -> None:
         current = self._current

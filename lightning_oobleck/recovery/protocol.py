@@ -7,10 +7,11 @@ is one JSON object on one line (UTF-8, terminated by ``\\n``) with an ``"op"`` f
 
 Worker -> coordinator::
 
-    register  {node, device, pid, host, secret, [heartbeat_timeout, agreement_timeout]}
+    register  {node, device, pid, host, secret, [heartbeat_timeout, agreement_timeout], [node_key]}
                                           first message; answered by welcome, refused or fenced. The
                                           first registration's timeouts become the job's; a later one
-                                          asking for others is refused
+                                          asking for others is refused. ``node`` null: a joiner whose
+                                          node id the coordinator gives (one per ``node_key``)
     present   {node, device, secret}      on a connection of its own, sent by the process that will be this
                                           worker before anything slow runs (imports, data), and nothing
                                           after: if it ends before the worker registered, the process is
@@ -19,10 +20,14 @@ Worker -> coordinator::
     suspect   {node, device, reason}      hint from a communication error: "this peer looks dead"
     ready     {generation}                agreement barrier: "I stopped generation g-1, I am ready for g"
     leave     {}                          finished normally: not a failure
+    admit     {generation, nodes}         a step boundary after generation g's commit that saw pending
+                                          joiners: admit up to ``nodes`` whole nodes of them now
+                                          (answered by the announcement of g+1, or nothing_to_admit)
 
 Coordinator -> worker::
 
-    welcome   {heartbeat_interval, heartbeat_timeout}
+    welcome   {node, heartbeat_interval, heartbeat_timeout}
+                                          ``node``: the worker's node id (given, for a joiner)
     ack       {}                          reply to a heartbeat (the worker's view of coordinator liveness)
     abort     {generation, suspects, detected_at}
                                           a member of the current generation is dead: stop communicating
@@ -30,6 +35,9 @@ Coordinator -> worker::
                                           the next generation's membership (sent to its members only)
     go        {generation, workers, agreed_at}
                                           every member of that generation is ready: build its groups
+    joiners   {nodes}                     to the members: how many whole nodes wait to join (when it changes)
+    nothing_to_admit {generation}         the joiners are gone: generation g goes on
+    finished  {reason}                    to a pending joiner: the training ended before it was admitted
     fenced    {reason}                    you were declared dead: exit now (the connection is then closed)
     refused   {reason}                    the registration is invalid (the connection is then closed)
 

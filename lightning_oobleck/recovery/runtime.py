@@ -38,14 +38,15 @@ from.
 
 from __future__ import annotations
 
+import enum
 import io
 import json
 import logging
 import threading
 import time
 from collections import defaultdict
-from collections.abc import Callable
-from dataclasses import dataclass
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
 from datetime import timedelta
 from functools import partial
 from pathlib import Path
@@ -73,11 +74,18 @@ from lightning_oobleck.execution.stage import (
     reset_parameters,
 )
 from lightning_oobleck.planning.plan import Plan
-from lightning_oobleck.planning.reconfigure import Reconfiguration, ReconfigurationError, after_failures
+from lightning_oobleck.planning.planner import PlannerInputs, PlanningError
+from lightning_oobleck.planning.reconfigure import Reconfiguration, ReconfigurationError, reconfigure
 from lightning_oobleck.recovery.agent import AgreementTimeout, WorkerAgent
 from lightning_oobleck.recovery.events import EventLog, RecoveryEvent
-from lightning_oobleck.recovery.protocol import Membership
-from lightning_oobleck.recovery.state_transfer import load_state_by_name, state_by_name, transfer_state
+from lightning_oobleck.recovery.protocol import Membership, Worker
+from lightning_oobleck.recovery.state_transfer import (
+    LayerBuilder,
+    ParamState,
+    load_state_by_name,
+    state_by_name,
+    transfer_state,
+)
 
 log = logging.getLogger(__name__)
 
@@ -105,6 +113,11 @@ class RecoveryHost(Protocol):
         """The worker now runs ``recovery.plan`` on ``recovery.engine`` (called after every switch)."""
         ...
 
+    def join_state(self) -> Any:
+        """What a joiner needs besides layers and optimizer state to enter the training here, at the start
+        of the interrupted unit (picklable): the loop's counters, schedulers, data position..."""
+        ...
+
 
 class UnrecoverableFailure(RuntimeError):
     """Training cannot continue in place; the message says how to resume."""
@@ -120,6 +133,51 @@ class Ledger:
     """The result of unit ``done - 1``: what a laggard inside that unit adopts (serialised only then)."""
     steps: int = 0
     """Optimizer steps applied (Lightning's ``global_step``)."""
+
+
+class JoinPolicy(str, enum.Enum):
+    """When the members admit the nodes that wait to join (decided from a step's commit: alike everywhere)."""
+
+    AT_ONCE = "at_once"
+    """At the next step boundary; a joiner waiting when a failure interrupts a step joins in its recovery."""
+    WHOLE_TEMPLATE = "whole_template"
+    """Once the waiting nodes form a pipeline of their own (``n0`` nodes): a join never lengthens the
+    pipelines that run."""
+    HOT_STANDBY = "hot_standby"
+    """Only to replace lost nodes: joiners wait, started, until the plan has fewer nodes than it was made
+    for, and as many are admitted as were lost."""
+
+    def nodes_to_admit(self, waiting: int, plan: Plan) -> int:
+        """How many of ``waiting`` whole nodes to admit into ``plan`` now."""
+        if waiting <= 0:
+            return 0
+        if self is JoinPolicy.WHOLE_TEMPLATE:
+            return waiting if waiting >= plan.n0 else 0
+        if self is JoinPolicy.HOT_STANDBY:
+            return min(waiting, max(0, planned_nodes(plan) - len(plan.nodes)))
+        return waiting
+
+
+def planned_nodes(plan: Plan) -> int:
+    """The number of nodes ``plan``'s job was planned for (what failures took away and joins give back)."""
+    try:
+        return PlannerInputs.from_plan(plan).cluster.num_nodes
+    except PlanningError:
+        return len(plan.nodes)
+
+
+@dataclass
+class Admission:
+    """What a joiner holds once admitted (:func:`join_training`): its generation, layers and optimizer
+    state, the members' position, and what their host handed over."""
+
+    membership: Membership
+    event: RecoveryEvent
+    groups: ProcessGroups
+    module: StageModule
+    state: ParamState
+    ledger: Ledger
+    host_state: Any = field(repr=False)
 
 
 @dataclass
@@ -171,6 +229,8 @@ class Recovery:
         max_attempts: int = 4,
         checkpoint_dir: str | Path | None = None,
         events: EventLog | None = None,
+        join_policy: JoinPolicy = JoinPolicy.AT_ONCE,
+        admission: Admission | None = None,
     ) -> None:
         if engine.abort is not agent.abort:
             raise ValueError(
@@ -207,6 +267,24 @@ class Recovery:
         self._finishing = False
         self._aborted: list[dist.ProcessGroup] = []
         """Groups of failed generations, kept referenced: their destructor would wait like a shutdown."""
+        self.join_policy = JoinPolicy(join_policy)
+        self._admit_nodes = 0
+        """Whole nodes the last step's commit says to admit at the next step boundary."""
+        self._in_step = False
+        if admission is not None:
+            self._admitted(admission)
+
+    def _admitted(self, admission: Admission) -> None:
+        """Continue as a joiner admitted by :func:`join_training`: the members' position, the optimizer
+        state it received."""
+        load_state_by_name(self.optimizer, self.module, admission.state)
+        self.ledger = admission.ledger
+        self.members = admission.membership
+        self.last_event = admission.event
+        admission.event.mark("resumed")
+        if admission.membership.workers[0] == self.worker:
+            self._unlogged.append((admission.event, self.ledger.steps))
+            self.log_events(self.events)
 
     # ------------------------------------------------------------------ units
 
@@ -241,9 +319,43 @@ class Recovery:
         """A barrier unit."""
         self.run(lambda engine: engine.groups.all_reduce(torch.zeros(1, device=engine.device), engine.abort))
 
-    def commit(self, engine: PipelineEngine, loss: Tensor | None) -> list[float]:
-        """The training step's final all-reduce (:meth:`PipelineEngine.commit`): the step's result."""
-        return engine.commit(loss)
+    def commit(
+        self,
+        engine: PipelineEngine,
+        loss: Tensor | None,
+        extra: Sequence[float] = (),
+        grad_norm: bool = True,
+    ) -> list[float]:
+        """The training step's final all-reduce (:meth:`PipelineEngine.commit`): the step's result, with
+        one more number, the whole nodes waiting to join as the first worker knows them (one view, so that
+        every worker decides alike whether to admit them)."""
+        waiting = float(self.agent.joiners) if engine.groups.rank == 0 else 0.0
+        return engine.commit(loss, (*extra, waiting), grad_norm)
+
+    def step(self, unit: Unit[list[float]]) -> list[float]:
+        """A training step: ``unit`` ends with :meth:`commit`; returns its result (without the joiners).
+
+        The step boundary is where nodes join: the nodes the previous step's commit saw waiting, as many as
+        the join policy admits, are admitted before this step starts (a recovery into the next generation,
+        without a failure), so that a joiner never disturbs a step in progress."""
+        if self._admit_nodes:
+            nodes, self._admit_nodes = self._admit_nodes, 0
+            self._request_admission(self.generation, nodes)
+        self._in_step = True
+        try:
+            *committed, waiting = self.run(unit)
+        finally:
+            self._in_step = False
+        self._admit_nodes = self.join_policy.nodes_to_admit(int(waiting), self.plan)
+        return committed
+
+    def _request_admission(self, generation: int, nodes: int) -> None:
+        try:
+            admitted = self.agent.request_admission(generation, nodes, self.agreement_timeout)
+        except AgreementTimeout as e:
+            raise UnrecoverableFailure(f"the joiners could not be admitted: {e}") from e
+        if admitted:
+            log.info("admitting %d node(s) at the step boundary (generation %d)", nodes, generation)
 
     def train_step(
         self,
@@ -263,7 +375,7 @@ class Recovery:
             )
             return self.commit(engine, loss)
 
-        committed = self.run(step)
+        committed = self.step(step)
         update(self.optimizer, committed[0])
         self.advance()
         return committed[1]
@@ -300,6 +412,8 @@ class Recovery:
         """
         detected = self.agent.aborted_at
         after = self.generation if self._switch is None else self._switch.membership.generation
+        if self._in_step and self.join_policy is JoinPolicy.AT_ONCE and self.agent.joiners:
+            self._request_admission(after, self.agent.joiners)  # the failure's generation admits them too
         previous = self.last_event
         for attempt in range(1, self.max_attempts + 1):
             try:
@@ -326,19 +440,19 @@ class Recovery:
             except PeerFailure as e:
                 log.warning("recovery to generation %d failed (attempt %d): %s", after, attempt, e)
                 continue
-            self._adopt_copied_layout(records)
-            newest = max(r["done"] for r in records.values())
-            failed = set(self.plan.nodes) - set(membership.nodes)
-            try:
-                plan: Reconfiguration | ReconfigurationError = after_failures(self.plan, failed)
-            except ReconfigurationError as e:
-                plan = e
+            members = {w: r for w, r in records.items() if not r.get("joining")}
+            self._adopt_copied_layout(members)
+            newest = max(r["done"] for r in members.values())
+            joined = sorted({w.node for w in records} - {w.node for w in members})
+            if joined:
+                self._hand_over(membership, members, newest)
+            plan = next_plan(self.plan, membership, joined)
             event.mark("replanned")
             self._switch = _Switch(membership, event, plan)
             if self.ledger.done == newest:
                 return None
             if self.ledger.done == newest - 1:
-                source = next(w for w, r in records.items() if r["done"] == newest)
+                source = next(w for w, r in members.items() if r["done"] == newest)
                 log.warning("unit %d was completed by other survivors: adopting its result", self.ledger.done)
                 return self._read(membership, source, "result")
             raise UnrecoverableFailure(
@@ -349,6 +463,19 @@ class Recovery:
             f"recovery failed {self.max_attempts} times in a row (last generation {after}): failures keep "
             "happening; resume from the last checkpoint (Trainer.fit(ckpt_path=...)) on healthy nodes"
         )
+
+    def _hand_over(self, membership: Membership, members: dict[Worker, dict[str, Any]], newest: int) -> None:
+        """The first member at the newest unit hands the joiners what is not in layers: the layout the
+        members hold, its ledger and what the host hands over, taken at the start of that unit."""
+        writer = min(w for w, r in members.items() if r["done"] == newest)
+        if writer != self.worker:
+            return
+        handover = {
+            "plan": self.plan.to_dict(),
+            "ledger": Ledger(self.ledger.done, self.ledger.result, self.ledger.steps),
+            "host": self.host.join_state(),
+        }
+        self.store.set(_handover_key(membership), _dump(handover))
 
     def _run_switch(self, switch: _Switch) -> None:
         """Move to the agreed plan with every member: build groups, copy state, barrier, install."""
@@ -422,13 +549,11 @@ class Recovery:
             "done": self.ledger.done,
         }
         self.store.set(_member_key(membership, "result", self.worker), _dump(self.ledger.result))
-        self.store.set(_member_key(membership, "position", self.worker), json.dumps(mine))
-        self._wait_for_members(membership, "exchange")
-        return {
-            (w.node, w.device): json.loads(self._read(membership, w, "position")) for w in membership.workers
-        }
+        return exchange_positions(
+            self.store, membership, self.worker, mine, self.agent.abort, self.group_timeout
+        )
 
-    def _adopt_copied_layout(self, records: dict[tuple[int, int], dict[str, Any]]) -> None:
+    def _adopt_copied_layout(self, records: dict[Worker, dict[str, Any]]) -> None:
         """If a survivor switched to a newer layout, its switch barrier proves every worker copied it."""
         newest = max(r["layout"] for r in records.values())
         if newest > self.generation:
@@ -519,6 +644,123 @@ def _load(data: bytes) -> Any:
 
 def _member_key(membership: Membership, what: str, worker: tuple[int, int]) -> str:
     return f"oobleck/recovery/gen{membership.generation}/{what}/{worker[0]}.{worker[1]}"
+
+
+def _handover_key(membership: Membership) -> str:
+    return f"oobleck/recovery/gen{membership.generation}/handover"
+
+
+def next_plan(
+    plan: Plan, membership: Membership, joined: Sequence[int]
+) -> Reconfiguration | ReconfigurationError:
+    """The plan for ``membership`` from the layout ``plan`` the members hold (the nodes gone failed; the
+    nodes ``joined`` join), or why there is none: the same on every worker, joiners included."""
+    try:
+        return reconfigure(plan, failed=set(plan.nodes) - set(membership.nodes), joined=joined)
+    except ReconfigurationError as e:
+        return e
+
+
+def exchange_positions(
+    store: dist.Store,
+    membership: Membership,
+    worker: Worker,
+    position: dict[str, Any],
+    abort: threading.Event,
+    timeout: timedelta,
+) -> dict[Worker, dict[str, Any]]:
+    """Every member's ``position`` (layout generation, copied layout, units done; ``joining`` for a
+    joiner) through the store, once every member published its own."""
+    store.set(_member_key(membership, "position", worker), json.dumps(position))
+    wait_for_members(store, membership, worker, "exchange", abort, timeout)
+    return {w: json.loads(store.get(_member_key(membership, "position", w))) for w in membership.workers}
+
+
+def wait_for_key(store: dist.Store, key: str, abort: threading.Event, timeout: timedelta, what: str) -> bytes:
+    """The value of ``key`` once it is set (bounded, abortable)."""
+    deadline = time.monotonic() + timeout.total_seconds()
+    while not store.check([key]):
+        if abort.is_set():
+            raise PeerFailure(f"another failure happened while waiting for {what}")
+        if time.monotonic() > deadline:
+            raise PeerFailure(f"{what} did not come within {timeout}")
+        time.sleep(0.002)
+    return store.get(key)
+
+
+def join_training(
+    agent: WorkerAgent,
+    store: dist.Store,
+    build_layers: LayerBuilder,
+    device: torch.device,
+    *,
+    backend: str = "gloo",
+    group_timeout: timedelta = timedelta(seconds=30),
+    slow_after: timedelta | None = None,
+    wait_timeout: float | None = None,
+    agreement_timeout: float = 60.0,
+    max_attempts: int = 4,
+) -> Admission:
+    """A joiner's way into a running training: wait, pending, until the members admit it at a step
+    boundary (``wait_timeout``: how long, ``None`` for as long as the training runs), then take the new
+    plan's role: its layers and their optimizer state from live replicas (the same copy as a recovery),
+    the members' position and what their host hands over.
+
+    A failure before this worker's copy is complete starts over with the next generation; once it took
+    part in the switch barrier, members may run the new layout, so a failure then raises
+    :class:`UnrecoverableFailure` (this joiner leaves and the members recover without it). Raises
+    :class:`~lightning_oobleck.recovery.agent.TrainingFinished` if the training ends first.
+    """
+    after = -1
+    for attempt in range(1, max_attempts + 1):
+        agent.wait_announced(after, wait_timeout)  # pending until the members admit it
+        membership = agent.agree(after, agreement_timeout)
+        after = membership.generation
+        event = RecoveryEvent.from_membership(membership)
+        groups: ProcessGroups | None = None
+        try:
+            records = exchange_positions(
+                store, membership, agent.worker, {"joining": True}, agent.abort, group_timeout
+            )
+            handover = _load(
+                wait_for_key(
+                    store, _handover_key(membership), agent.abort, group_timeout, "the members' handover"
+                )
+            )
+            joined = sorted({w.node for w, r in records.items() if r.get("joining")})
+            reconfiguration = next_plan(Plan.from_dict(handover["plan"]), membership, joined)
+            if isinstance(reconfiguration, ReconfigurationError):
+                raise UnrecoverableFailure(f"the members cannot continue: {reconfiguration}")
+            event.mark("replanned")
+            wait_for_members(store, membership, agent.worker, "switch", agent.abort, group_timeout)
+            groups = join_generation(
+                reconfiguration.plan,
+                agent.worker,
+                store,
+                membership.generation,
+                backend,
+                group_timeout,
+                slow_after,
+            )
+            event.mark("rebuilt")
+            module, state = transfer_state(
+                StageModule({}), {}, reconfiguration.copies, groups, build_layers, agent.abort, device
+            )
+        except PeerFailure as e:
+            log.warning("admission into generation %d failed (attempt %d): %s", after, attempt, e)
+            if groups is not None:
+                groups.abort()
+            continue
+        try:
+            groups.all_reduce(torch.ones(1, device=device), agent.abort)  # the members' switch barrier
+        except PeerFailure as e:
+            raise UnrecoverableFailure(
+                f"a failure during this joiner's switch to generation {after} ({e}): the members may run its "
+                "layout, so it cannot start over; it leaves and they recover without it"
+            ) from e
+        event.mark("state_copied")
+        return Admission(membership, event, groups, module, state, handover["ledger"], handover["host"])
+    raise UnrecoverableFailure(f"admission failed {max_attempts} times in a row (last generation {after})")
 
 
 def wait_for_members(

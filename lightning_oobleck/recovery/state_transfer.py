@@ -100,12 +100,14 @@ def transfer_state(
     groups: ProcessGroups,
     build_layers: LayerBuilder,
     abort: threading.Event,
+    device: torch.device | None = None,
 ) -> tuple[StageModule, ParamState]:
     """This worker's module and optimizer state under ``groups.plan``, filled from surviving replicas.
 
     ``module``/``state``: what this worker holds under the previous plan (the layers it keeps are
-    reused as they are). Collective over every worker of the new generation: each sends what the copy
-    list asks of it and receives what it newly holds. Raises ``PeerFailure`` on abort or a lost peer.
+    reused as they are; a joiner holds none). Collective over every worker of the new generation: each
+    sends what the copy list asks of it and receives what it newly holds. ``device``: where the layers
+    live (by default, where ``module``'s do). Raises ``PeerFailure`` on abort or a lost peer.
     """
     me = groups.worker
     new_layers = list(groups.plan.role(*me).layers)
@@ -120,7 +122,7 @@ def transfer_state(
     if missing:
         raise ValueError(f"the copy list gives worker {me} no source for layers {sorted(missing)}")
 
-    device = next(iter(module.parameters())).device
+    device = device or next(iter(module.parameters())).device
     payloads = {
         peer: torch.frombuffer(bytearray(_pack(module, state, sorted(layers))), dtype=torch.uint8).to(device)
         for peer, layers in sorted(outgoing.items())

@@ -23,6 +23,7 @@ from lightning_oobleck.planning import (
     after_failures,
     after_joins,
     make_plan,
+    reconfigure,
     synthetic_gpt_profile,
 )
 from lightning_oobleck.planning.plan import Pipeline, PipelineTemplate, Stage
@@ -146,6 +147,27 @@ def test_joining_nodes_get_fresh_ids_and_restore_the_guarantee() -> None:
     assert grown.plan.fault_tolerance == 3 and not grown.plan.warnings
     again = after_joins(grown.plan, 1)
     assert set(again.plan.nodes) - set(grown.plan.nodes) == {11}
+
+
+@pytest.mark.parametrize("n0", [1, 2])
+def test_failures_and_joins_seen_at_once_are_one_reconfiguration(n0: int) -> None:
+    plan = _plan(n0, 8, 2)
+    failed, joined = {plan.pipelines[0].nodes[0]}, [20, 21, 22]
+    result = reconfigure(plan, failed=failed, joined=joined)
+    check_reconfiguration(plan, failed, result, added=3)
+    assert set(result.plan.nodes) == set(plan.nodes) - failed | set(joined)
+    assert result.plan.extra["next_node_id"] == 23
+    assert result.plan.fault_tolerance == 2 and not result.plan.warnings
+    # the same plan on every worker that computes it (joiners included)
+    assert reconfigure(plan, failed=failed, joined=joined).plan.pipelines == result.plan.pipelines
+
+
+def test_a_joining_node_that_is_in_the_plan_or_failed_is_refused() -> None:
+    plan = _plan(1, 4, 1)
+    with pytest.raises(ReconfigurationError, match=r"joining node id\(s\) \[0\] are already in the plan"):
+        reconfigure(plan, joined=[0])
+    with pytest.raises(ReconfigurationError, match=r"\[3\] are already in the plan: a node that comes back"):
+        reconfigure(plan, failed=[3], joined=[3])
 
 
 def test_unrecoverable_failures_say_how_to_resume() -> None:

@@ -9,7 +9,12 @@ real (``--fault``, repeatable):
 * ``lag-commit:S``: see step S's commit only late (after a failure notice): a survivor that must catch
   up with a step the others applied;
 * ``kill-copy:G``: SIGKILL itself during the recovery to generation G, after the state copy and before
-  the switch barrier.
+  the switch barrier;
+* ``kill-pending:0`` / ``kill-receive:0`` (a joiner, ``--node-key``): SIGKILL itself once registered
+  (pending) / while it receives its layers.
+
+With ``--node-key`` instead of ``--node`` the worker is a joiner: it registers without a node id, waits
+to be admitted at a step boundary (:func:`join_training`) and trains on from the members' step.
 
 It appends JSON lines to ``--out``: one ``applied`` record per optimizer step (with the global-batch
 sample indices the pipeline's first stage fed, on first stages), ``recovery`` records, and at the end
@@ -37,9 +42,16 @@ from execution.exec_workloads import CPU, SEED, global_batch, model, optimizer  
 from gpt.model import gpt_loss  # noqa: E402
 
 from lightning_oobleck.execution import PeerFailure, PipelineEngine, ProcessGroups  # noqa: E402
+from lightning_oobleck.execution.stage import build_stage  # noqa: E402
 from lightning_oobleck.planning.plan import Plan  # noqa: E402
 from lightning_oobleck.recovery import EventLog, WorkerAgent  # noqa: E402
-from lightning_oobleck.recovery.runtime import Recovery, UnrecoverableFailure  # noqa: E402
+from lightning_oobleck.recovery.agent import TrainingFinished  # noqa: E402
+from lightning_oobleck.recovery.runtime import (  # noqa: E402
+    JoinPolicy,
+    Recovery,
+    UnrecoverableFailure,
+    join_training,
+)
 
 MAX_NORM = 0.5
 GROUP_TIMEOUT = timedelta(seconds=20)
@@ -73,9 +85,9 @@ class FaultyRecovery(Recovery):
             self.report("fault", fault=kind, at=at)
             os.kill(os.getpid(), signum)
 
-    def commit(self, engine: PipelineEngine, loss: torch.Tensor | None) -> list[float]:
+    def commit(self, engine: PipelineEngine, loss: torch.Tensor | None, *args: Any) -> list[float]:
         if not self.fault("lag-commit", self.ledger.steps):
-            return super().commit(engine, loss)
+            return super().commit(engine, loss, *args)
         waiter = engine.groups.waiter
 
         def see_it_late(works: Any, abort: Any) -> None:
@@ -87,7 +99,7 @@ class FaultyRecovery(Recovery):
             raise PeerFailure("test: this worker saw the commit only after the failure notice")
 
         waiter.wait = see_it_late  # type: ignore[method-assign]
-        return super().commit(engine, loss)
+        return super().commit(engine, loss, *args)
 
     def _switch_barrier(self, groups: ProcessGroups) -> None:
         self.inject("kill-copy", groups.generation)
@@ -110,12 +122,18 @@ class Host:
     def switched(self, recovery: Recovery, event: Any) -> None:
         pass
 
+    def join_state(self) -> None:
+        return None  # the plain loop's position is the ledger's step count
+
 
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--coordinator", required=True)
     parser.add_argument("--store-port", type=int, required=True)
-    parser.add_argument("--node", type=int, required=True)
+    parser.add_argument("--node", type=int)
+    parser.add_argument("--node-key")
+    parser.add_argument("--join-policy", default="at_once")
+    parser.add_argument("--step-sleep", type=float, default=0.0, help="seconds to idle after each step")
     parser.add_argument("--plan", required=True)
     parser.add_argument("--steps", type=int, required=True)
     parser.add_argument("--out", required=True)
@@ -129,27 +147,55 @@ def main() -> None:
     def report(kind: str, **fields: Any) -> None:
         out.write(json.dumps({"kind": kind, "t": time.time(), **fields}) + "\n")
 
-    worker = (args.node, 0)
-    plan = Plan.load(args.plan)
     store = torch.distributed.TCPStore("127.0.0.1", args.store_port, is_master=False, timeout=GROUP_TIMEOUT)
-    agent = WorkerAgent(worker, args.coordinator, connect_timeout=60.0).start()
-    membership = agent.agree(-1, timeout=120.0)
-    groups = ProcessGroups(plan, worker, store, membership.generation, timeout=GROUP_TIMEOUT)
-    engine = PipelineEngine(model, gpt_loss, groups, CPU, seed=SEED, abort=agent.abort, dtype=torch.float64)
+    agent = WorkerAgent(
+        (args.node, 0), args.coordinator, connect_timeout=60.0, node_key=args.node_key
+    ).start()
+    admission = None
+    if args.node_key:
+        report("registered", node=agent.worker.node)
+        if ("kill-pending", 0) in faults:
+            report("fault", fault="kill-pending", at=0)
+            os.kill(os.getpid(), signal.SIGKILL)
+
+        def build_layers(layers: Any) -> Any:
+            if ("kill-receive", 0) in faults:  # called once the layers' bytes arrived
+                report("fault", fault="kill-receive", at=0)
+                os.kill(os.getpid(), signal.SIGKILL)
+            return build_stage(model, layers, CPU, SEED, torch.float64)
+
+        try:
+            admission = join_training(agent, store, build_layers, CPU, group_timeout=GROUP_TIMEOUT)
+        except TrainingFinished as e:
+            report("not_admitted", error=str(e))
+            out.flush()
+            os._exit(0)
+        groups = admission.groups
+        report("admitted", generation=groups.generation, step=admission.ledger.steps)
+    else:
+        membership = agent.agree(-1, timeout=120.0)
+        groups = ProcessGroups(
+            Plan.load(args.plan), agent.worker, store, membership.generation, timeout=GROUP_TIMEOUT
+        )
+    module = admission.module if admission is not None else None
+    engine = PipelineEngine(
+        model, gpt_loss, groups, CPU, seed=SEED, abort=agent.abort, dtype=torch.float64, module=module
+    )
     pending: dict[str, Any] = {}
 
     def update(opt: torch.optim.Optimizer, norm_sq: float) -> None:
         report("applied", step=recovery.ledger.steps, generation=recovery.generation, **pending)
         recovery.inject("kill-commit", recovery.ledger.steps)
         clip_and_step(opt, norm_sq)
+        time.sleep(args.step_sleep)  # long enough a run for joiners to start (importing torch) meanwhile
 
     def batch(step: int) -> tuple[torch.Tensor, torch.Tensor]:
         e = recovery.engine
         pending.clear()
         if e.is_first_stage:
-            pending["samples"] = list(range(plan.global_batch_size))[e.batch_slice]
+            pending["samples"] = list(range(e.plan.global_batch_size))[e.batch_slice]
         forwards[0] = 0
-        return global_batch(step, plan.global_batch_size)
+        return global_batch(step, e.plan.global_batch_size)
 
     forwards = [0]
 
@@ -173,6 +219,8 @@ def main() -> None:
         group_timeout=GROUP_TIMEOUT,
         events=EventLog(args.events),
         checkpoint_dir=args.checkpoint_dir,
+        join_policy=JoinPolicy(args.join_policy),
+        admission=admission,
         faults=faults,
         report=report,
     )
@@ -186,7 +234,9 @@ def main() -> None:
             os._exit(UNRECOVERABLE_EXIT)
         if recovery.generation != generation:
             generation = recovery.generation
-            report("recovered", generation=generation, plan=recovery.plan.to_dict()["pipelines"])
+            plan = recovery.plan
+            pipelines = [list(p.nodes) for p in plan.pipelines]
+            report("recovered", generation=generation, pipelines=pipelines, f=plan.fault_tolerance)
     recovery.finish()
     torch.save({n: p.detach().clone() for n, p in recovery.module.named_parameters()}, args.out + ".pt")
     report("done", step=recovery.ledger.steps, generation=recovery.generation)

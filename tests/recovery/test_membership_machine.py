@@ -1,12 +1,14 @@
 """The membership protocol's state machine without sockets: the table of its docstring, event by event, and
 property tests over random interleavings of registrations, heartbeats, readies, kills, silences, launcher
-exit reports, suspect hints, leaves and stray clients.
+exit reports, suspect hints, leaves, stray clients, joining nodes and admission requests.
 
 Invariants (after every event): one membership per generation, generations numbered 0, 1, 2, ...; GO(g)
-only once every member of g was ready or had left; a worker that keeps sending heartbeats and answers every
-announcement is never fenced unless a process of its node died. At the end, once every live worker answers
-and time passes: every live worker is a member of the newest generation and it is agreed, and every worker
-or client that is not was told why (``fenced`` or ``refused``, with a reason).
+only once every member of g was ready or had left; a joiner becomes a member only through an admission
+request at a step boundary, with every process of its node; a worker that keeps sending heartbeats and
+answers every announcement is never fenced unless a process of its node died. At the end, once every live
+worker answers, a member asks to admit the joiners and time passes: every live worker is a member of the
+newest generation (but the processes of a node not all of which registered) and it is agreed, and every
+worker or client that is not was told why (``fenced`` or ``refused``, with a reason).
 """
 
 from __future__ import annotations
@@ -41,6 +43,10 @@ class Client:
     inbox: list[tuple[str, dict[str, Any]]] = field(default_factory=list)
     closed: bool = False
     readied: set[int] = field(default_factory=set)
+    joining_device: int | None = None
+    """A joiner's device: it registers without a node id and learns it from the welcome."""
+    after_start: bool = False
+    """It registered once generation 0 was announced: it must wait for an admission."""
 
     def last(self, op: str) -> dict[str, Any] | None:
         return next((f for o, f in reversed(self.inbox) if o == op), None)
@@ -67,6 +73,10 @@ class Harness:
         self.killed: set[int] = set()
         self.exited: set[Worker] = set()
         self.strays: list[Client] = []
+        self.devices = devices
+        self.joiners: set[Worker] = set()
+        self.admit_asked = False
+        self.workers_by_conn: dict[int, Worker] = {}
 
     # ------------------------------------------------------------------ plumbing
     def apply(self, effects: list[Effect]) -> None:
@@ -75,6 +85,8 @@ class Harness:
             if isinstance(effect, Send):
                 assert not client.closed, f"{effect.op} sent on a closed connection"
                 client.inbox.append((effect.op, effect.fields))
+                if effect.op == "welcome" and client.joining_device is not None:
+                    self.welcome_joiner(client, Worker(effect.fields["node"], client.joining_device))
                 self.check_send(client, effect)
             elif isinstance(effect, Kill):
                 assert client.worker is not None and effect.pid == 1000 + effect.conn
@@ -103,6 +115,15 @@ class Harness:
     def check_send(self, client: Client, effect: Send) -> None:
         if effect.op == "announce":
             g, workers = effect.fields["generation"], tuple(Worker(*w) for w in effect.fields["workers"])
+            if g not in self.announced:
+                admitted = {w for members in self.announced.values() for w in members}
+                if new_joiners := (set(workers) & self.joiners) - admitted:
+                    assert self.admit_asked, f"joiners {new_joiners} admitted without an admission request"
+                    nodes = {w.node for w in new_joiners}
+                    assert {w for w in self.joiners if w.node in nodes} <= set(workers), (
+                        "half a node admitted"
+                    )
+                self.admit_asked = False
             assert self.announced.setdefault(g, workers) == workers, "two memberships for one generation"
             assert client.worker in workers
         elif effect.op == "go":
@@ -111,6 +132,8 @@ class Harness:
             for w in members:
                 c = self.by_worker[w]
                 assert g in c.readied or w in self.machine.finished, f"GO({g}) before {w} was ready"
+        elif effect.op == "fenced" and client.joining_device is not None and client.worker is None:
+            assert "never rejoins" in effect.fields["reason"]  # its node key names a node that died
         elif effect.op == "fenced":
             assert client.worker is not None
             assert effect.fields["reason"]
@@ -133,14 +156,57 @@ class Harness:
 
     # ------------------------------------------------------------------ actions
     def register(self, i: int, responsive: bool) -> None:
+        if i >= len(self.workers):
+            return
         worker = self.workers[i]
         if worker in self.by_worker or worker in self.exited:
             return
         conn = len(self.clients) + 1
         self.clients[conn] = self.by_worker[worker] = Client(conn, worker, responsive)
+        if self.machine.current is not None:
+            self.joiners.add(worker)
         self.apply(self.machine.connected(conn, self.now))
         message = {"op": "register", "node": worker.node, "device": worker.device, "pid": 1000 + conn}
         self.apply(self.machine.received(conn, {**message, "host": "here", "secret": SECRET}, self.now))
+
+    def join(self, key: int, processes: int) -> None:
+        """``processes`` processes of a new node (named ``key``) register without a node id."""
+        for device in range(min(processes, self.devices)):
+            conn = len(self.clients) + 1
+            self.clients[conn] = Client(
+                conn, joining_device=device, after_start=self.machine.current is not None
+            )
+            self.apply(self.machine.connected(conn, self.now))
+            message = {"op": "register", "node": None, "node_key": f"new{key}", "device": device}
+            self.apply(
+                self.machine.received(conn, {**message, "pid": 1000 + conn, "secret": SECRET}, self.now)
+            )
+
+    def welcome_joiner(self, client: Client, worker: Worker) -> None:
+        assert worker.node not in {w.node for w in self.workers}, "a joiner got a node id the job used"
+        assert worker not in self.by_worker, "two processes registered as one worker"
+        client.worker = self.workers_by_conn[client.conn] = worker
+        self.by_worker[worker] = client
+        if client.after_start:  # else it is one of the workers that start the job
+            self.joiners.add(worker)
+            assert self.machine.current is not None
+            assert worker not in self.machine.current.workers, "a joiner disturbed the running step"
+
+    def admit(self, i: int) -> None:
+        """Member ``i`` reached a step boundary after a commit that saw pending joiners."""
+        members = sorted(self.by_worker)
+        if i >= len(members) or (go := (client := self.by_worker[members[i]]).last("go")) is None:
+            return
+        if self.live(client):
+            self.admit_asked = True
+            self.apply(
+                self.machine.received(client.conn, {"op": "admit", "generation": go["generation"]}, self.now)
+            )
+
+    def told(self, client: Client) -> bool:
+        """Whether the newest notice ``client`` got says that whole nodes are pending."""
+        notice = client.last("joiners")
+        return self.live(client) and notice is not None and notice["nodes"] > 0
 
     def live(self, client: Client) -> bool:
         return not (client.silent or client.gone or client.closed)
@@ -160,17 +226,24 @@ class Harness:
         self.apply(self.machine.tick(self.now))
 
     def kill(self, i: int) -> None:
-        client = self.by_worker.get(self.workers[i])
+        client = self._client(i)
         if client is not None and not client.gone:
             client.gone = True
             self.apply(self.machine.ended(client.conn, "its connection closed", self.now))
 
     def silence(self, i: int) -> None:
-        client = self.by_worker.get(self.workers[i])
+        client = self._client(i)
         if client is not None:
             client.silent = True
 
+    def _client(self, i: int) -> Client | None:
+        """The ``i``-th registered worker's connection, in (node, device) order (joiners included)."""
+        members = sorted(self.by_worker)
+        return self.by_worker[members[i]] if i < len(members) else None
+
     def exit_unregistered(self, i: int) -> None:
+        if i >= len(self.workers):
+            return
         worker = self.workers[i]
         if worker not in self.by_worker and worker not in self.exited:
             self.exited.add(worker)
@@ -179,6 +252,8 @@ class Harness:
     def presence_ends(self, i: int) -> None:
         """Worker ``i``'s process announces itself on a presence connection, which then ends: its process
         is gone, registered or not."""
+        if i >= len(self.workers):
+            return
         worker = self.workers[i]
         conn = len(self.clients) + 1
         client = self.clients[conn] = Client(conn)
@@ -189,21 +264,25 @@ class Harness:
         if worker not in self.by_worker:
             self.exited.add(worker)
         self.apply(self.machine.ended(conn, "its connection closed", self.now))
-        self.kill(i)
+        registered = self.by_worker.get(worker)
+        if registered is not None and not registered.gone:
+            registered.gone = True
+            self.apply(self.machine.ended(registered.conn, "its connection closed", self.now))
 
     def answer(self, i: int) -> None:
-        client = self.by_worker.get(self.workers[i])
+        client = self._client(i)
         if client is not None and self.live(client) and (a := client.last("announce")) is not None:
             self.ready(client, a["generation"])
 
     def suspect(self, i: int, j: int) -> None:
-        client, target = self.by_worker.get(self.workers[i]), self.workers[j]
-        if client is not None and self.live(client):
+        client, target = self._client(i), self._client(j)
+        if client is not None and target is not None and target.worker is not None and self.live(client):
+            target = target.worker
             msg = {"op": "suspect", "node": target.node, "device": target.device, "reason": "test"}
             self.apply(self.machine.received(client.conn, msg, self.now))
 
     def leave(self, i: int) -> None:
-        client = self.by_worker.get(self.workers[i])
+        client = self._client(i)
         if client is not None and self.live(client) and client.last("go") is not None:
             self.apply(self.machine.received(client.conn, {"op": "leave"}, self.now))
             client.gone = True
@@ -245,15 +324,23 @@ class Harness:
             client.responsive = True
             self.respond(client)
         self.advance(SETTLE + AGREEMENT + 2 * HEARTBEAT)
+        # the next step boundary: a member told of pending joiners asks to admit them
+        told = [i for i, c in enumerate(self.by_worker[w] for w in sorted(self.by_worker)) if self.told(c)]
+        if told:
+            self.admit(told[0])
+        self.advance(SETTLE + AGREEMENT + 2 * HEARTBEAT)
 
     def check_end(self) -> None:
         m = self.machine
         live = sorted(w for w, c in self.by_worker.items() if self.live(c))
         assert list(m.alive) == live
-        if live:
+        if live and m.history:
             newest = m.history[-1]
-            # every live worker is a member; the others left normally (a leave makes no new generation)
-            assert set(live) <= set(newest.workers) <= set(live) | m.finished
+            # every live worker is a member, but the processes of a node not every one of which registered;
+            # the others left normally (a leave makes no new generation)
+            partial = {w for w in set(live) - set(newest.workers) if w in self.joiners}
+            assert all(sum(x.node == w.node for x in live) < self.devices for w in partial), partial
+            assert set(live) - partial <= set(newest.workers) <= set(live) | m.finished
             assert newest.agreed_at is not None
             assert m.phase is Phase.RUNNING
         for w, c in self.by_worker.items():
@@ -269,14 +356,16 @@ class Harness:
 ACTIONS = st.one_of(
     st.tuples(st.just("register"), st.integers(0, 5), st.booleans()),
     st.tuples(st.just("advance"), st.floats(0.05, 1.5 * AGREEMENT)),
-    st.tuples(st.just("kill"), st.integers(0, 5)),
-    st.tuples(st.just("silence"), st.integers(0, 5)),
+    st.tuples(st.just("kill"), st.integers(0, 8)),
+    st.tuples(st.just("silence"), st.integers(0, 8)),
     st.tuples(st.just("exit_unregistered"), st.integers(0, 5)),
     st.tuples(st.just("presence_ends"), st.integers(0, 5)),
-    st.tuples(st.just("answer"), st.integers(0, 5)),
-    st.tuples(st.just("suspect"), st.integers(0, 5), st.integers(0, 5)),
-    st.tuples(st.just("leave"), st.integers(0, 5)),
+    st.tuples(st.just("answer"), st.integers(0, 8)),
+    st.tuples(st.just("suspect"), st.integers(0, 8), st.integers(0, 8)),
+    st.tuples(st.just("leave"), st.integers(0, 8)),
     st.tuples(st.just("stray"), st.integers(0, 4)),
+    st.tuples(st.just("join"), st.integers(0, 2), st.integers(1, 3)),
+    st.tuples(st.just("admit"), st.integers(0, 8)),
 )
 
 
@@ -425,3 +514,78 @@ def test_leave_is_not_a_failure_and_the_machine_is_done_when_no_worker_is_left()
         h.leave(i)
     assert not h.machine.deaths and len(h.machine.history) == 1
     assert h.machine.phase is Phase.DONE
+
+
+# ---------------------------------------------------------------------- joiners
+
+
+def test_running_a_joiner_is_pending_until_a_member_asks_at_a_step_boundary() -> None:
+    h = started(devices=2)
+    h.join(0, processes=1)
+    (half,) = h.joiners
+    assert half.node == 3  # a node id no worker of the job had
+    assert h.machine.phase is Phase.RUNNING and len(h.machine.history) == 1  # the step goes on
+    assert h.machine.pending == ()  # half a node is not admitted
+    h.join(0, processes=2)  # the node's second process (the same key: the same node id)
+    assert {w.node for w in h.joiners} == {3} and len(h.joiners) == 2
+    member = h.by_worker[Worker(0, 0)]
+    assert member.last("joiners") == {"nodes": 1}
+    h.admit(0)
+    g1 = h.machine.history[-1]
+    assert g1.generation == 1 and g1.added == (Worker(3, 0), Worker(3, 1)) and "joined" in g1.cause
+    assert h.machine.phase is Phase.RUNNING  # every member answered
+    assert member.last("joiners") == {"nodes": 0}
+
+
+def test_running_an_admission_request_with_nobody_pending_is_answered_and_changes_nothing() -> None:
+    h = started()
+    h.admit(0)
+    assert h.by_worker[Worker(0, 0)].last("nothing_to_admit") == {"generation": 0}
+    assert len(h.machine.history) == 1 and h.machine.phase is Phase.RUNNING
+
+
+def test_running_a_joiner_dying_while_pending_is_dropped_without_a_new_generation() -> None:
+    h = started()
+    h.join(0, processes=1)
+    (joiner,) = h.joiners
+    h.by_worker[joiner].gone = True
+    h.apply(h.machine.ended(h.by_worker[joiner].conn, "its connection closed", h.now))
+    assert [d.worker for d in h.machine.deaths] == [joiner]
+    assert h.machine.phase is Phase.RUNNING and len(h.machine.history) == 1
+    assert h.by_worker[Worker(0, 0)].last("abort") is None
+    assert h.by_worker[Worker(0, 0)].last("joiners") == {"nodes": 0}
+    h.admit(0)
+    assert h.by_worker[Worker(0, 0)].last("nothing_to_admit") is not None
+
+
+def test_settling_an_admission_during_a_failure_is_one_generation() -> None:
+    h = started()
+    h.join(0, processes=1)
+    h.silence(1)
+    h.now += HEARTBEAT + 0.01
+    h.beat()
+    assert h.machine.phase is Phase.SETTLING
+    h.admit(0)  # the step boundary while the silence settles
+    h.advance(SETTLE)
+    (_g0, g1) = h.machine.history
+    assert g1.workers == (Worker(0, 0), Worker(2, 0), Worker(3, 0))
+    assert (g1.removed, g1.added) == ((Worker(1, 0),), (Worker(3, 0),))
+
+
+def test_a_failure_without_an_admission_request_leaves_the_joiner_pending() -> None:
+    h = started()
+    h.join(0, processes=1)
+    h.kill(1)
+    h.advance(SETTLE)
+    assert h.machine.history[-1].workers == (Worker(0, 0), Worker(2, 0))
+    assert h.machine.pending == (Worker(3, 0),)
+    assert h.by_worker[Worker(0, 0)].last("joiners") == {"nodes": 1}  # told again in the new generation
+
+
+def test_a_returning_node_gets_a_new_id_and_its_old_id_is_fenced() -> None:
+    h = started()
+    h.kill(1)
+    h.advance(SETTLE)
+    h.join(7, processes=1)
+    (joiner,) = h.joiners
+    assert joiner.node == 3 and joiner.node not in (0, 1, 2)

@@ -61,14 +61,28 @@ def reference_weights(steps: int) -> dict[str, torch.Tensor]:
     return {n: p.detach() for n, p in reference.named_parameters()}
 
 
+@dataclasses.dataclass(frozen=True)
+class Join:
+    """A node that joins the running training: its process starts once any worker applied ``after_step``
+    (``after_step=None``: at once, before the training starts it waits pending)."""
+
+    label: str
+    after_step: int | None
+    faults: tuple[str, ...] = ()
+
+
 def run_training(
     tmp_path: Path,
     steps: int,
     faults: dict[int, list[str]],
     plan: Plan | None = None,
     kill_together: set[int] = frozenset(),
+    joins: tuple[Join, ...] = (),
+    policy: str = "at_once",
+    step_sleep: float = 0.0,
 ) -> dict[str, Any]:
-    """Run the 6-node training with ``faults[node]``; return each node's records, exit codes and weights.
+    """Run the 6-node training with ``faults[node]``; return each node's records, exit codes and weights
+    (keyed by node, and by label for the ``joins``).
 
     ``kill_together``: nodes the test SIGKILLs within a millisecond once every node applied step 0.
     """
@@ -78,38 +92,60 @@ def run_training(
     coordinator = Coordinator(
         NODES, "127.0.0.1", heartbeat_timeout=3.0, settle_s=0.2, agreement_timeout=30.0, kill_fenced=True
     ).start()
-    procs = {}
+    procs: dict[int | str, subprocess.Popen[bytes]] = {}
+
+    def start(label: int | str, position: list[str], worker_faults: Any) -> None:
+        command = [
+            sys.executable,
+            str(WORKER),
+            f"--coordinator={coordinator.address}",
+            f"--store-port={store.port}",
+            *position,
+            f"--plan={plan_file}",
+            f"--steps={steps}",
+            f"--out={tmp_path / f'node{label}.jsonl'}",
+            f"--events={tmp_path / 'run.jsonl'}",
+            f"--checkpoint-dir={tmp_path / 'checkpoints'}",
+            f"--join-policy={policy}",
+            f"--step-sleep={step_sleep}",
+            *(f"--fault={f}" for f in worker_faults),
+        ]
+        with open(tmp_path / f"node{label}.log", "wb") as log:
+            procs[label] = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT)
+
+    def applied(step: int, labels: Any = None) -> bool:
+        """Whether any of ``labels`` (every worker by default) applied step ``step`` or a later one."""
+        paths = (
+            [tmp_path / f"node{label}.jsonl" for label in labels] if labels else tmp_path.glob("node*.jsonl")
+        )
+        return any(
+            r["kind"] == "applied" and r["step"] >= step
+            for path in paths
+            if path.exists()
+            for r in map(json.loads, path.read_text().splitlines())
+        )
+
     try:
         for node in range(NODES):
-            command = [
-                sys.executable,
-                str(WORKER),
-                f"--coordinator={coordinator.address}",
-                f"--store-port={store.port}",
-                f"--node={node}",
-                f"--plan={plan_file}",
-                f"--steps={steps}",
-                f"--out={tmp_path / f'node{node}.jsonl'}",
-                f"--events={tmp_path / 'run.jsonl'}",
-                f"--checkpoint-dir={tmp_path / 'checkpoints'}",
-                *(f"--fault={f}" for f in faults.get(node, [])),
-            ]
-            with open(tmp_path / f"node{node}.log", "wb") as log:
-                procs[node] = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT)
+            start(node, [f"--node={node}"], faults.get(node, []))
         deadline = time.monotonic() + RUN_TIMEOUT_S
-        if kill_together:
-            outputs = [tmp_path / f"node{node}.jsonl" for node in range(NODES)]
-            while not all(p.exists() and '"applied"' in p.read_text() for p in outputs):
-                assert time.monotonic() < deadline, "the workers did not start training"
-                time.sleep(0.01)
-            for node in kill_together:
-                procs[node].send_signal(signal.SIGKILL)
+        waiting = list(joins)
+        while waiting or kill_together:
+            assert time.monotonic() < deadline, "the training did not reach the joins and kills"
+            for join in [j for j in waiting if j.after_step is None or applied(j.after_step)]:
+                start(join.label, [f"--node-key={join.label}"], join.faults)
+                waiting.remove(join)
+            if kill_together and all(applied(0, [node]) for node in range(NODES)):
+                for node in kill_together:
+                    procs[node].send_signal(signal.SIGKILL)
+                kill_together = frozenset()
+            time.sleep(0.01)
         codes = {}
-        for node, proc in procs.items():
-            codes[node] = proc.wait(timeout=max(1.0, deadline - time.monotonic()))
+        for label, proc in list(procs.items()):
+            codes[label] = proc.wait(timeout=max(1.0, deadline - time.monotonic()))
     except BaseException:
-        for node in procs:
-            print(f"--- node {node} ---\n{(tmp_path / f'node{node}.log').read_text()[-3000:]}")
+        for label in procs:
+            print(f"--- node {label} ---\n{(tmp_path / f'node{label}.log').read_text()[-3000:]}")
         raise
     finally:
         for proc in procs.values():
@@ -118,21 +154,21 @@ def run_training(
                 proc.wait(timeout=10)
         coordinator.stop()
     records = {
-        node: [json.loads(line) for line in (tmp_path / f"node{node}.jsonl").read_text().splitlines()]
-        if (tmp_path / f"node{node}.jsonl").exists()
+        label: [json.loads(line) for line in (tmp_path / f"node{label}.jsonl").read_text().splitlines()]
+        if (tmp_path / f"node{label}.jsonl").exists()
         else []
-        for node in range(NODES)
+        for label in procs
     }
     weights = {
-        node: torch.load(tmp_path / f"node{node}.jsonl.pt")
-        for node in range(NODES)
-        if (tmp_path / f"node{node}.jsonl.pt").exists()
+        label: torch.load(tmp_path / f"node{label}.jsonl.pt")
+        for label in procs
+        if (tmp_path / f"node{label}.jsonl.pt").exists()
     }
     return {"codes": codes, "records": records, "weights": weights, "history": coordinator.history}
 
 
-def check_run(result: dict[str, Any], steps: int, dead: set[int]) -> None:
-    survivors = set(range(NODES)) - dead
+def check_run(result: dict[str, Any], steps: int, dead: set[int | str]) -> None:
+    survivors = set(result["codes"]) - dead
     for node, code in result["codes"].items():
         if node in dead:
             assert code != 0, f"node {node} should have died"
