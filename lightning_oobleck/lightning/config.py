@@ -13,8 +13,11 @@ from typing import Any, Literal
 
 from omegaconf import DictConfig, OmegaConf
 
+from lightning_oobleck.recovery.runtime import JoinPolicy
+
 StartMethod = Literal["forkserver", "spawn", "fork"]
 START_METHODS: tuple[str, ...] = ("forkserver", "spawn", "fork")
+JOIN_POLICIES: tuple[str, ...] = tuple(policy.value for policy in JoinPolicy)
 
 
 @dataclass
@@ -75,6 +78,13 @@ class OobleckConfig:
     ``layout``, ``True`` or ``False``."""
     microbatches: list[int] | None = None
     """With ``layout``: micro-batches per pipeline (default: as even as possible)."""
+    join_policy: str = "at_once"
+    """When nodes that come back (or spares) join the running training: ``at_once`` (at the next step
+    boundary), ``whole_template`` (once they form a pipeline of their own) or ``hot_standby`` (only to
+    replace lost nodes: they wait, started, for a failure)."""
+    replace_failed_after_s: float | None = None
+    """Local launcher: start a replacement for a dead worker's node this long after its death (it joins the
+    running training); ``None``: never."""
 
     def validate(self) -> None:
         """Raise a :class:`ValueError` naming the bad key and the fix."""
@@ -113,6 +123,14 @@ class OobleckConfig:
             raise ValueError(
                 "activation_checkpointing='auto' lets the planner choose where to recompute; with a fixed "
                 "layout or plan_path give true or false (a plan_path's stages say it themselves)"
+            )
+        if self.join_policy not in JOIN_POLICIES:
+            raise ValueError(
+                f"join_policy must be one of {', '.join(JOIN_POLICIES)}, got {self.join_policy!r}"
+            )
+        if self.replace_failed_after_s is not None and self.replace_failed_after_s < 0:
+            raise ValueError(
+                f"replace_failed_after_s must be >= 0 (or None), got {self.replace_failed_after_s}"
             )
         if self.microbatches is not None and self.layout is None:
             raise ValueError("microbatches is only meaningful with layout=[[...], ...]")

@@ -31,6 +31,9 @@ RANK_VAR = "OOBLECK_RANK"
 WORLD_SIZE_VAR = "OOBLECK_WORLD_SIZE"
 NODE_VAR = "OOBLECK_NODE"
 DEVICE_VAR = "OOBLECK_DEVICE"
+NODE_KEY_VAR = "OOBLECK_NODE_KEY"
+"""Set for a process that joins a running training: a name for its node (the host, the join job); the
+coordinator gives the node id, so a node that comes back is a new node whatever its launch position says."""
 SLURM_VARS = ("SLURM_PROCID", "SLURM_NTASKS", "SLURM_LOCALID", "SLURM_NODEID")
 
 
@@ -77,6 +80,7 @@ class OobleckEnvironment(ClusterEnvironment):
         super().__init__()
         self._global_rank: int | None = None
         self._world_size: int | None = None
+        self._node: int | None = None
 
     def devices_per_node(self, configured: int | None) -> int:
         """The processes per failure domain: ``configured`` (the strategy's ``devices_per_node``) or this
@@ -94,8 +98,17 @@ class OobleckEnvironment(ClusterEnvironment):
     @property
     def worker(self) -> tuple[int, int]:
         """``(node, device)``: this process's worker id in the plan; unchanged by renumbering."""
-        pos = self.position
-        return pos.node, pos.device
+        return self.node_rank(), self.position.device
+
+    @property
+    def node_key(self) -> str | None:
+        """The name of this process's node if it joins a running training (``OOBLECK_NODE_KEY``), else
+        ``None``: its node id is then the coordinator's (:meth:`set_node`), not its launch position's."""
+        return os.environ.get(NODE_KEY_VAR) or None
+
+    def set_node(self, node: int) -> None:
+        """The node id the coordinator gave this joining process."""
+        self._node = node
 
     @property
     def store_address(self) -> tuple[str, int]:
@@ -138,7 +151,7 @@ class OobleckEnvironment(ClusterEnvironment):
         return self.position.device
 
     def node_rank(self) -> int:
-        return self.position.node
+        return self.position.node if self._node is None else self._node
 
 
 class LocalOobleckEnvironment(OobleckEnvironment):

@@ -18,6 +18,9 @@ Lightning's launchers make the main process rank 0 (``ddp``) or kill every child
   to deadlock in its TCPStore client, past the store's own timeout);
 * a worker's death is reported to the services at once and otherwise left alone; the run succeeds if any
   worker finished, and the supervisor raises :class:`LaunchError` only when none did;
+* with ``replace_failed_after_s``, a dead worker's node is replaced that long after its death: new
+  processes (``OOBLECK_NODE_KEY=replacement-K``) that join the running training at a step boundary, as a
+  repaired node would (a replacement that finds the training over exits quietly);
 * workers die with the supervisor (Linux ``PR_SET_PDEATHSIG``) and every wait is bounded.
 
 Worker ``r`` gets ``OOBLECK_STORE_ADDR``, ``OOBLECK_RANK``, ``OOBLECK_WORLD_SIZE``, ``OOBLECK_NODE`` (``r //
@@ -58,7 +61,7 @@ from lightning.pytorch.trainer.states import TrainerFn
 
 from lightning_oobleck.execution.exit_guard import die_with_parent
 from lightning_oobleck.lightning.config import START_METHODS, StartMethod
-from lightning_oobleck.lightning.environment import local_worker_env
+from lightning_oobleck.lightning.environment import DEVICE_VAR, NODE_KEY_VAR, local_worker_env
 from lightning_oobleck.lightning.results import (
     collect_layers,
     read_error,
@@ -68,7 +71,7 @@ from lightning_oobleck.lightning.results import (
     write_worker_error,
     write_worker_result,
 )
-from lightning_oobleck.recovery.agent import close_process_agent
+from lightning_oobleck.recovery.agent import TrainingFinished, close_process_agent
 
 if TYPE_CHECKING:
     import lightning.pytorch as pl
@@ -213,6 +216,9 @@ class OobleckLauncher(_Launcher):
         timeout_s: bound on the whole launch; ``None`` lets training run as long as it needs.
         finish_grace_s: once one worker finished, how long the others may take before they are killed
             (a hung or stopped worker must not hold the run forever).
+        replace_failed_after_s: start a replacement for a dead worker's node this long after its death
+            (``None``: never); ``forkserver`` and ``spawn`` only (a fork of the supervisor once its threads
+            run could deadlock).
     """
 
     def __init__(
@@ -225,6 +231,7 @@ class OobleckLauncher(_Launcher):
         host: str = "127.0.0.1",
         timeout_s: float | None = None,
         finish_grace_s: float = 60.0,
+        replace_failed_after_s: float | None = None,
     ) -> None:
         if num_processes < 1:
             raise ValueError(f"num_processes must be >= 1, got {num_processes}")
@@ -235,6 +242,11 @@ class OobleckLauncher(_Launcher):
             )
         if start_method not in START_METHODS:
             raise ValueError(f"start_method must be one of {', '.join(START_METHODS)}, got {start_method!r}")
+        if replace_failed_after_s is not None and start_method == "fork":
+            raise ValueError(
+                "replace_failed_after_s needs start_method='forkserver' or 'spawn': a replacement forked "
+                "from the supervisor while its store and coordinator threads run could deadlock"
+            )
         self.num_processes = num_processes
         self.devices_per_node = devices_per_node
         self.start_method = start_method
@@ -242,7 +254,11 @@ class OobleckLauncher(_Launcher):
         self.host = host
         self.timeout_s = timeout_s
         self.finish_grace_s = finish_grace_s
+        self.replace_failed_after_s = replace_failed_after_s
         self.procs: dict[int, multiprocessing.process.BaseProcess] = {}
+        self._node_of: dict[int, int] = {}
+        """Launcher rank -> the node (index) it runs on; replacements get new node indices."""
+        self._start: Callable[[int, dict[str, str]], None] | None = None
         self.last_report: LaunchReport | None = None
         self._already_fit = False
 
@@ -305,7 +321,8 @@ class OobleckLauncher(_Launcher):
         global_states = _GlobalStateSnapshot.capture() if spawned else None
         self.procs = {}
         env_pipes: dict[int, Connection] = {}
-        for rank in range(self.num_processes):
+
+        def start(rank: int) -> None:
             spec = _WorkerSpec(rank, workdir, os.getpid(), self.num_processes, spawned)
             receiver, env_pipes[rank] = context.Pipe(duplex=False)
             proc = context.Process(
@@ -316,6 +333,15 @@ class OobleckLauncher(_Launcher):
             proc.start()
             receiver.close()
             self.procs[rank] = proc
+
+        def start_released(rank: int, env: dict[str, str]) -> None:
+            start(rank)
+            env_pipes[rank].send(env)
+
+        for rank in range(self.num_processes):
+            start(rank)
+            self._node_of[rank] = rank // self.devices_per_node
+        self._start = start_released
         return env_pipes
 
     def _release_workers(self, supervisor: Supervisor, env_pipes: dict[int, Connection]) -> None:
@@ -330,24 +356,31 @@ class OobleckLauncher(_Launcher):
             pipe.send({**supervisor.worker_env, **position})
 
     def _supervise(self, supervisor: Supervisor, workdir: Path) -> LaunchReport:
-        """Wait for every worker, telling the services of each exit; bounded by the two deadlines."""
+        """Wait for every worker, telling the services of each exit and starting the replacements that are
+        due; bounded by the two deadlines."""
         exitcodes: dict[int, int] = {}
         launch_deadline = None if self.timeout_s is None else time.monotonic() + self.timeout_s
         finish_deadline: float | None = None
+        replace_at: dict[int, float] = {}
         while len(exitcodes) < len(self.procs):
             deadlines = [d for d in (finish_deadline, launch_deadline) if d is not None]
             now = time.monotonic()
             if deadlines and now >= min(deadlines):
                 break
+            for node in [n for n, at in replace_at.items() if at <= now and finish_deadline is None]:
+                del replace_at[node]
+                self._replace(node, supervisor)
             running = {proc.sentinel: rank for rank, proc in self.procs.items() if rank not in exitcodes}
-            for sentinel in wait_for_sentinels(
-                list(running), timeout=min([_MAX_WAIT_S, *(d - now for d in deadlines)])
-            ):
+            waits = [*(d - now for d in deadlines), *(at - now for at in replace_at.values())]
+            for sentinel in wait_for_sentinels(list(running), timeout=max(0.0, min([_MAX_WAIT_S, *waits]))):
                 rank = running[sentinel]  # type: ignore[index]
                 exitcodes[rank] = self._reap(rank)
                 supervisor.worker_exited(rank, exitcodes[rank])
-                if finish_deadline is None and result_path(workdir, rank).exists():
+                finished = result_path(workdir, rank).exists()
+                if finish_deadline is None and finished:
                     finish_deadline = time.monotonic() + self.finish_grace_s
+                if self.replace_failed_after_s is not None and not finished and exitcodes[rank] != 0:
+                    replace_at.setdefault(self._node_of[rank], time.monotonic() + self.replace_failed_after_s)
         stuck = sorted(self.procs.keys() - exitcodes.keys())
         self._kill_all(signal.SIGKILL)
         for rank in stuck:
@@ -362,6 +395,21 @@ class OobleckLauncher(_Launcher):
         if stuck and finish_deadline is None:
             raise TimeoutError(f"the launch did not finish: {_describe_lost(self.last_report)}")
         return self.last_report
+
+    def _replace(self, node: int, supervisor: Supervisor) -> None:
+        """Start a new node of ``devices_per_node`` processes in place of the dead node ``node``: they join
+        the running training (a new node: the coordinator gives it an id)."""
+        assert self._start is not None
+        new_node = max(self._node_of.values()) + 1
+        log.warning("starting node %d to replace node %d: it joins at the next step boundary", new_node, node)
+        for device in range(self.devices_per_node):
+            rank = max(self.procs) + 1
+            self._node_of[rank] = new_node
+            position = local_worker_env(
+                rank, self.num_processes, self.devices_per_node, supervisor.store_addr
+            )
+            position[DEVICE_VAR] = str(device)
+            self._start(rank, {**supervisor.worker_env, **position, NODE_KEY_VAR: f"replacement-{new_node}"})
 
     def _recover_results(self, report: LaunchReport, workdir: Path, trainer: pl.Trainer | None) -> Any:
         result = read_result(workdir, report.result_rank) if report.result_rank is not None else None
@@ -389,6 +437,7 @@ class OobleckLauncher(_Launcher):
         state = self.__dict__.copy()
         state["procs"] = {}
         state["services"] = []
+        state["_start"] = None
         return state
 
 
@@ -415,6 +464,9 @@ def _worker_main(
     _set_num_threads_if_needed(num_processes=spec.num_processes)
     try:
         value = function(*args, **kwargs)
+    except TrainingFinished:  # a replacement that found the training over: nothing to do, nothing lost
+        close_process_agent()
+        return
     except BaseException:
         close_process_agent(finished=False)  # lost, not finished: the peers recover without it
         write_worker_error(spec.workdir, spec.rank, traceback.format_exc())

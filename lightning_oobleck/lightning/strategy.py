@@ -26,6 +26,7 @@ import signal
 from collections.abc import Callable, Mapping
 from dataclasses import replace
 from datetime import timedelta
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -55,7 +56,7 @@ from lightning_oobleck.execution.checkpoint import (
     load_sharded_optimizers,
 )
 from lightning_oobleck.execution.process_groups import backend_for, check_plan_size
-from lightning_oobleck.execution.stage import find_ties
+from lightning_oobleck.execution.stage import build_stage, find_ties
 from lightning_oobleck.lightning.config import OobleckConfig, load_oobleck_config
 from lightning_oobleck.lightning.data import (
     DataPosition,
@@ -64,7 +65,7 @@ from lightning_oobleck.lightning.data import (
     share_of_pipeline,
     wrap_dataloader,
 )
-from lightning_oobleck.lightning.environment import OobleckEnvironment, detect_environment
+from lightning_oobleck.lightning.environment import NODE_KEY_VAR, OobleckEnvironment, detect_environment
 from lightning_oobleck.lightning.module import (
     PipelineExecutor,
     PipelineModule,
@@ -79,6 +80,7 @@ from lightning_oobleck.lightning.units import FitUnits, check_tied_parameter_gro
 from lightning_oobleck.planning.plan import Plan
 from lightning_oobleck.recovery.agent import WorkerAgent, close_process_agent, process_agent
 from lightning_oobleck.recovery.protocol import ADDRESS_ENV, Timeouts
+from lightning_oobleck.recovery.runtime import Admission, join_training
 from lightning_oobleck.recovery.service import CoordinatorService
 from lightning_oobleck.recovery.startup import publish_plan, read_plan, start
 
@@ -122,6 +124,8 @@ class OobleckStrategy(ParallelStrategy, PipelineExecutor):
         self._store: dist.Store | None = None
         self._agent: WorkerAgent | None = None
         self._units: FitUnits | None = None
+        self._admission: Admission | None = None
+        """What this process received when it joined a running training (``OOBLECK_NODE_KEY``)."""
 
     @classmethod
     def from_config(cls, cfg: Any, **kwargs: Any) -> OobleckStrategy:
@@ -205,6 +209,7 @@ class OobleckStrategy(ParallelStrategy, PipelineExecutor):
                 self.num_processes * self.num_nodes,
                 devices_per_node=self.config.devices_per_node,
                 start_method=self.config.start_method,  # type: ignore[arg-type]
+                replace_failed_after_s=self.config.replace_failed_after_s,
                 # The coordinator of in-process recovery lives in the supervisor, which outlives every worker.
                 services=[CoordinatorService(heartbeat_timeout=self.config.heartbeat_timeout_s)],
             )
@@ -231,7 +236,11 @@ class OobleckStrategy(ParallelStrategy, PipelineExecutor):
 
         backend = self.config.backend or backend_for(self.root_device)
         cfg = self.config
-        if os.environ.get(ADDRESS_ENV):  # a coordinator runs: workers lost before the first step are survived
+        if environment.node_key is not None:
+            self._join(environment, store, backend)
+        elif os.environ.get(
+            ADDRESS_ENV
+        ):  # a coordinator runs: workers lost before the first step are survived
             timeouts = Timeouts(cfg.heartbeat_timeout_s, cfg.hang_timeout_s)
             self._agent = process_agent(
                 environment.worker, connect_timeout=cfg.plan_timeout_s, timeouts=timeouts
@@ -257,6 +266,47 @@ class OobleckStrategy(ParallelStrategy, PipelineExecutor):
         environment.set_world_size(self._groups.world_size)
         rank_zero_only.rank = self._groups.rank
 
+    def _join(self, environment: OobleckEnvironment, store: dist.Store, backend: str) -> None:
+        """This process joins a running training: wait to be admitted at a step boundary, then take its role
+        in the new plan with the layers and optimizer state copied from live replicas."""
+        if not os.environ.get(ADDRESS_ENV):
+            raise RuntimeError(
+                f"{NODE_KEY_VAR} is set (this process joins a running training) but {ADDRESS_ENV} is not: "
+                "a joiner needs the running job's coordinator; start it with `oobleck join` (SLURM) or let "
+                "the launcher replace a dead worker (replace_failed_after_s)"
+            )
+        cfg, module = self.config, self._pipeline_module()
+        self._agent = agent = process_agent(
+            (None, environment.position.device),
+            connect_timeout=cfg.plan_timeout_s,
+            timeouts=Timeouts(cfg.heartbeat_timeout_s, cfg.hang_timeout_s),
+            node_key=environment.node_key,
+        )
+        environment.set_node(agent.worker.node)
+        build_layers = partial(
+            build_stage,
+            layer_source(module),
+            device=self.root_device,
+            seed=module.init_seed,
+            init=module.init_layer,
+        )
+        with self.precision_plugin.tensor_init_context():
+            self._admission = join_training(
+                agent,
+                store,
+                build_layers,
+                self.root_device,
+                backend=backend,
+                group_timeout=timedelta(seconds=cfg.hang_timeout_s),
+                slow_after=timedelta(seconds=cfg.collective_timeout_s),
+                agreement_timeout=cfg.hang_timeout_s,
+            )
+        self._groups = self._admission.groups
+        plan = self._groups.plan
+        self.config = replace(
+            cfg, global_batch_size=plan.global_batch_size, microbatch_size=plan.microbatch_size
+        )
+
     @override
     def setup(self, trainer: Trainer) -> None:
         assert self.accelerator is not None
@@ -278,10 +328,14 @@ class OobleckStrategy(ParallelStrategy, PipelineExecutor):
         self._units = FitUnits(self, trainer)
         if fitting:
             _optimizers_to_device(self.optimizers, self.root_device)
+        if self._admission is not None:
+            self._units.catch_up(self._admission.host_state)
         if fitting and self._agent is not None:
             assert self._store is not None
-            self._units.enable_recovery(self._agent, self._store)  # before the first exchange, just below
-        share_logger_versions(trainer, self._units)
+            # before the first exchange, just below
+            self._units.enable_recovery(self._agent, self._store, self._admission)
+        if self._admission is None:
+            share_logger_versions(trainer, self._units)
         if fitting:
             # Lightning broadcasts its SIGTERM flag on the default group before every batch; here the step's
             # commit carries it, so no collective runs outside the units.
@@ -298,6 +352,7 @@ class OobleckStrategy(ParallelStrategy, PipelineExecutor):
                 seed=module.init_seed,
                 abort=self._agent.abort if self._agent is not None else None,
                 init=module.init_layer,
+                module=self._admission.module if self._admission is not None else None,
             )
         held = getattr(module, "layers", None)
         if held is not None:
@@ -578,11 +633,13 @@ class OobleckStrategy(ParallelStrategy, PipelineExecutor):
 
     @override
     def load_model_state_dict(self, checkpoint: Mapping[str, Any], strict: bool = True) -> None:
-        load_sharded_model(self._require_checkpoint_path(), self.engine.module)
+        if self._admission is None:  # a joiner's layers came from its peers
+            load_sharded_model(self._require_checkpoint_path(), self.engine.module)
 
     @override
     def load_optimizer_state_dict(self, checkpoint: Mapping[str, Any]) -> None:
-        load_sharded_optimizers(self._require_checkpoint_path(), self.engine.module, self.optimizers)
+        if self._admission is None:  # a joiner's optimizer state came from its peers
+            load_sharded_optimizers(self._require_checkpoint_path(), self.engine.module, self.optimizers)
 
     def _require_checkpoint_path(self) -> Path:
         if self._checkpoint_path is None:

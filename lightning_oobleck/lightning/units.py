@@ -55,7 +55,7 @@ from lightning_oobleck.lightning.data import DataPosition, PipelineDataLoader, s
 from lightning_oobleck.lightning.module import batch_parts, layer_source, meta_layers
 from lightning_oobleck.recovery.agent import WorkerAgent
 from lightning_oobleck.recovery.events import EventLog, RecoveryEvent
-from lightning_oobleck.recovery.runtime import Recovery, Unit
+from lightning_oobleck.recovery.runtime import Admission, JoinPolicy, Recovery, Unit
 
 if TYPE_CHECKING:
     from lightning_oobleck.lightning.module import PipelineModule
@@ -96,9 +96,16 @@ class FitUnits:
         self._sigterm = False
         self.recovery: Recovery | None = None
         self.events: EventLog | None = None
+        self._validation_data_ready = False
+        self.catching_up = False
+        """A joiner between its admission and its first training step: the members wait inside that step,
+        so the units Lightning runs before it (the barriers of a fit's start) have nobody to meet."""
 
-    def enable_recovery(self, agent: WorkerAgent, store: dist.Store) -> None:
-        """Make every later unit recoverable, with ``agent`` (the coordinator's notices) and ``store``."""
+    def enable_recovery(
+        self, agent: WorkerAgent, store: dist.Store, admission: Admission | None = None
+    ) -> None:
+        """Make every later unit recoverable, with ``agent`` (the coordinator's notices) and ``store``;
+        ``admission``: this process joined the running training (:func:`join_training`)."""
         strategy, trainer = self.strategy, self.trainer
         engine = strategy.engine
         config = strategy.config
@@ -116,6 +123,8 @@ class FitUnits:
             group_timeout=engine.groups.timeout,
             agreement_timeout=config.hang_timeout_s,
             checkpoint_dir=Path(trainer.default_root_dir) / "oobleck-survivors",
+            join_policy=JoinPolicy(config.join_policy),
+            admission=admission,
         )
         # The log directory is agreed by a broadcast: a unit, recovered like the others.
         root = Path(trainer.log_dir or trainer.default_root_dir)
@@ -128,20 +137,54 @@ class FitUnits:
 
     def run(self, unit: Unit[T]) -> T:
         """Run ``unit`` as a recoverable unit (or once, without recovery)."""
+        if self.catching_up:
+            raise RuntimeError(
+                "a collective (an all_gather, an evaluation step) ran on a worker that "
+                "joined the running training before its first training step: its peers are inside that "
+                "step and cannot answer. Run collectives of a fit's start in setup() or from the first "
+                "training batch on"
+            )
         return self.recovery.run(unit) if self.recovery is not None else unit(self.engine)
+
+    def catch_up(self, handover: dict[str, Any]) -> None:
+        """This joiner resumes the fit where the members stand, as from a checkpoint they took at the start
+        of the step they wait in (``handover``: :meth:`join_state`), with the layers and optimizer state it
+        received. Until that step it meets nobody: its barriers pass, its reduces and broadcasts keep its
+        own values (Lightning's checks of its data and directories, which are the members'), the sanity
+        check is the members' own, and its validation data are set up before the step if theirs are, so
+        that from then on it runs the units they run."""
+        trainer = self.trainer
+        trainer._checkpoint_connector._loaded_checkpoint = handover["checkpoint"]
+        trainer.num_sanity_val_steps = 0
+        for logger, version in zip(_versioned_loggers(trainer), handover["logger_versions"], strict=True):
+            logger._version = version
+        self._validation_data_ready = handover["validation_data_ready"]
+        self.catching_up = True
+
+    def _finish_catching_up(self) -> None:
+        if self._validation_data_ready:
+            self.trainer.fit_loop.epoch_loop.val_loop.setup_data()
+        self.catching_up = False
 
     # ------------------------------------------------------------------ steps
     def train_step(self, module: PipelineModule, batch: Any, position: DataPosition) -> Tensor:
         """Pipeline step and commit of training batch ``position``; returns the global mean loss."""
         self._step_started = time.time()
 
+        recovery = self.recovery
+        if self.catching_up:
+            self._finish_catching_up()
+
         def step(engine: PipelineEngine) -> list[float]:
             engine.module.zero_grad(set_to_none=True)
             current = self._current(batch, self.trainer.train_dataloader, position, 0)
             loss = engine.train_step(*batch_parts(module, current))
-            return engine.commit(loss, float(self._sigterm), grad_norm=self.clips_by_norm)
+            extra, norm = (float(self._sigterm),), self.clips_by_norm
+            if recovery is None:
+                return engine.commit(loss, extra, grad_norm=norm)
+            return recovery.commit(engine, loss, extra, grad_norm=norm)
 
-        self.committed = self.run(step)
+        self.committed = recovery.step(step) if recovery is not None else step(self.engine)
         return torch.tensor(self.committed[1], device=self.engine.device)
 
     def grad_norm_sq(self) -> float:
@@ -207,6 +250,8 @@ class FitUnits:
         name = reduce_op.lower() if isinstance(reduce_op, str) else None
         if name is not None and name not in _REDUCE_OPS:
             raise ValueError(f"unknown reduce_op {reduce_op!r}: use one of {', '.join(_REDUCE_OPS)}")
+        if self.catching_up:  # Lightning's data setup checks the loaders' lengths: the members' data, too
+            return tensor.clone()
         op = _REDUCE_OPS[name] if name is not None else reduce_op
         mean = name in ("mean", "avg")
 
@@ -221,11 +266,16 @@ class FitUnits:
         return self.run(reduce)
 
     def barrier(self) -> None:
-        self.all_reduce(torch.zeros(1, device=self.engine.device))
+        if not self.catching_up:
+            self.all_reduce(torch.zeros(1, device=self.engine.device))
 
     def broadcast(self, obj: T, src: int = 0) -> T:
         """``obj`` of rank ``src``: its bytes all-reduced (sum) against zeros, so the unit ends with an
-        all-reduce like every other."""
+        all-reduce like every other. A joiner catching up keeps its own ``obj``, as every worker does before
+        the strategy's setup: it has the members' configuration and logger versions, so the directories
+        Lightning agrees on at a fit's start are theirs."""
+        if self.catching_up:
+            return obj
         data = pickle.dumps(obj) if self.engine.groups.rank == src else b""
 
         def broadcast(engine: PipelineEngine) -> T:
@@ -303,7 +353,20 @@ class FitUnits:
         batch as started but not completed and the data position (advanced only after an optimizer step)
         is this batch, so ``Trainer.fit(ckpt_path=...)`` redoes exactly this step."""
         checkpoint = self.trainer._checkpoint_connector.dump_checkpoint(weights_only=False)
+        # Lightning rewinds only the epoch's counters of a batch it restarts: the run's total must say the
+        # same, or its batch index (which times validation) would count this batch twice.
+        batches = checkpoint["loops"]["fit_loop"]["epoch_loop.batch_progress"]["total"]
+        batches.update({k: batches["completed"] for k in ("ready", "started", "processed")})
         return self.strategy.checkpoint_metadata(checkpoint)
+
+    def join_state(self) -> dict[str, Any]:
+        """A joiner's entry: Lightning's checkpoint entries now, at the start of the interrupted step (the
+        joiner's fit redoes that step with the members), and the loggers' versions (one run directory)."""
+        return {
+            "checkpoint": self.checkpoint_metadata(),
+            "logger_versions": [logger.version for logger in _versioned_loggers(self.trainer)],
+            "validation_data_ready": self.trainer.fit_loop.epoch_loop.val_loop._combined_loader is not None,
+        }
 
     def switched(self, recovery: Recovery, event: RecoveryEvent) -> None:
         """Point the strategy, Lightning's rank, the data and the loggers at the new layout."""
@@ -405,9 +468,12 @@ def _group_settings(optimizer: torch.optim.Optimizer, param: Tensor) -> dict[str
 def share_logger_versions(trainer: Trainer, units: FitUnits) -> None:
     """Give every worker rank 0's logger versions, so that whichever worker is rank 0 later writes into the
     same run directory (a logger's version is otherwise the next free one when first asked for)."""
-    for logger in trainer.loggers:
-        if isinstance(logger, CSVLogger | TensorBoardLogger):
-            logger._version = units.broadcast(logger.version)
+    for logger in _versioned_loggers(trainer):
+        logger._version = units.broadcast(logger.version)
+
+
+def _versioned_loggers(trainer: Trainer) -> list[CSVLogger | TensorBoardLogger]:
+    return [logger for logger in trainer.loggers if isinstance(logger, CSVLogger | TensorBoardLogger)]
 
 
 def _evaluation_loader(trainer: Trainer, dataloader_idx: int) -> Any:

@@ -21,10 +21,10 @@ register        pending; once every     joins off: refused;     joins off: refus
                 was lost: announce      member, the members     members are told how
                 generation 0 to the     told how many whole     many whole nodes
                 live ones (AGREEING)    nodes are pending       are pending
-admit(g)        -                       -                       whole pending nodes:  the coming
-(a member, at                                                   announce g+1 with     generation admits
-a step                                                          them (AGREEING);      the whole pending
-boundary)                                                       none: nothing_to_     nodes
+admit(g)        -                       g-1 (a member that      whole pending nodes:  the coming
+(a member, at                           recovers from a         announce g+1 with     generation admits
+a step                                  failure): announce      them (AGREEING);      the whole pending
+boundary)                               g+1 with them           none: nothing_to_     nodes
                                                                 admit(g)
 bad client:     refused; nothing        refused; nothing        refused; nothing      refused; nothing
 no secret, a    else changes (no        else changes            else changes          else changes
@@ -432,7 +432,10 @@ class MembershipMachine:
         """A member reached the step boundary after generation ``generation``'s commit that saw joiners:
         admit up to ``nodes`` whole pending nodes (the lowest ids first)."""
         current = self._current
-        if current is None or generation != current.generation or peer.worker not in current.workers:
+        if current is None or peer.worker not in current.workers:
+            return
+        recovering = current.agreed_at is None and generation == current.generation - 1
+        if generation != current.generation and not recovering:
             return  # it was or is being told about the newer generation
         if not self.pending:
             self._send(peer, "nothing_to_admit", generation=generation)
@@ -497,7 +500,7 @@ class MembershipMachine:
     def _release_joiners_if_over(self) -> None:
         """Once the last member left (finished), the training is over: the pending joiners are told so and
         let go."""
-        if self._current is None or any(w in self._admitted for w in self._alive):
+        if self._current is None or not self.finished or any(w in self._admitted for w in self._alive):
             return
         for w in [w for w in self._alive if w not in self._admitted]:
             log.info("worker %s was pending when the training ended", tuple(w))

@@ -176,6 +176,8 @@ class Admission:
     groups: ProcessGroups
     module: StageModule
     state: ParamState
+    settings: list[dict[str, Any]]
+    """The members' optimizer hyperparameters per parameter group (the learning rate its schedule set...)."""
     ledger: Ledger
     host_state: Any = field(repr=False)
 
@@ -276,7 +278,15 @@ class Recovery:
 
     def _admitted(self, admission: Admission) -> None:
         """Continue as a joiner admitted by :func:`join_training`: the members' position, the optimizer
-        state it received."""
+        state it received and their optimizer settings."""
+        if len(admission.settings) != len(self.optimizer.param_groups):
+            raise UnrecoverableFailure(
+                f"the members' optimizer has {len(admission.settings)} parameter group(s), this joiner's "
+                f"{len(self.optimizer.param_groups)}: configure_optimizers must build the same groups for "
+                "any set of layers (e.g. decay / no-decay, even when one is empty)"
+            )
+        for group, settings in zip(self.optimizer.param_groups, admission.settings, strict=True):
+            group.update(settings)
         load_state_by_name(self.optimizer, self.module, admission.state)
         self.ledger = admission.ledger
         self.members = admission.membership
@@ -473,6 +483,7 @@ class Recovery:
         handover = {
             "plan": self.plan.to_dict(),
             "ledger": Ledger(self.ledger.done, self.ledger.result, self.ledger.steps),
+            "settings": [{k: v for k, v in g.items() if k != "params"} for g in self.optimizer.param_groups],
             "host": self.host.join_state(),
         }
         self.store.set(_handover_key(membership), _dump(handover))
@@ -759,7 +770,16 @@ def join_training(
                 "layout, so it cannot start over; it leaves and they recover without it"
             ) from e
         event.mark("state_copied")
-        return Admission(membership, event, groups, module, state, handover["ledger"], handover["host"])
+        return Admission(
+            membership,
+            event,
+            groups,
+            module,
+            state,
+            handover["settings"],
+            handover["ledger"],
+            handover["host"],
+        )
     raise UnrecoverableFailure(f"admission failed {max_attempts} times in a row (last generation {after})")
 
 

@@ -39,8 +39,7 @@ class CoordinatorService:
             settle_s=self.settle_s,
             agreement_timeout=self.agreement_timeout,
             kill_fenced=True,  # every worker runs on this machine
-            secret=secrets.token_hex(16),
-            allow_joins=False,
+            secret=secrets.token_hex(16),  # only processes the supervisor starts (replacements too) know it
             devices_per_node=supervisor.devices_per_node,
         ).start()
         supervisor.worker_env[ADDRESS_ENV] = self.coordinator.address

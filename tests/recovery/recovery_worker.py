@@ -142,6 +142,8 @@ class Run:
             if stopping:
                 break
             time.sleep(self.args.step_sleep)
+            if self.agent.joiners:  # the step boundary: admit the nodes waiting to join
+                self.agent.request_admission(membership.generation, self.agent.joiners, WAIT_TIMEOUT_S)
         self.report("done", step=self.step, generation=membership.generation)
         self.agent.close()
 

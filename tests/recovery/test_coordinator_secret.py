@@ -111,6 +111,25 @@ def test_a_late_registration_is_refused_without_disturbing_training() -> None:
                 agent.close()
 
 
+@pytest.mark.timeout(60)
+def test_a_joiner_without_the_secret_cannot_join_a_running_training() -> None:
+    with Coordinator(2, "127.0.0.1", secret=SECRET) as c:
+        agents = _start_two(c)
+        try:
+            for secret in ("", "wrong"):
+                with pytest.raises(RegistrationRefused, match="secret is missing or wrong"):
+                    WorkerAgent(
+                        (None, 0), c.address, secret=secret, node_key="intruder", connect_timeout=5
+                    ).start()
+            time.sleep(0.5)
+            assert [m.generation for m in c.history] == [0] and not c.deaths
+            assert not any(a.abort.is_set() or a.joiners for a in agents)  # nobody waits to join
+            assert c.machine.pending == ()
+        finally:
+            for agent in agents:
+                agent.close()
+
+
 def test_the_local_supervisor_hands_the_secret_to_its_workers_only() -> None:
     from lightning_oobleck.lightning.launcher import Supervisor
     from lightning_oobleck.recovery.service import CoordinatorService
@@ -120,7 +139,7 @@ def test_the_local_supervisor_hands_the_secret_to_its_workers_only() -> None:
         assert service.coordinator is not None
         secret = supervisor.worker_env[SECRET_ENV]
         assert len(secret) >= 32 and secret == service.coordinator.secret
-        assert not service.coordinator.allow_joins
+        assert service.coordinator.allow_joins  # replacements: the supervisor gives them the secret
         assert SECRET_ENV not in os.environ  # the supervisor's own environment does not carry it
         agent = WorkerAgent((0, 0), supervisor.worker_env["OOBLECK_COORDINATOR_ADDR"], secret=secret).start()
         agent.agree(after=-1, timeout=10)

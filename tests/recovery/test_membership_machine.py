@@ -334,7 +334,9 @@ class Harness:
         m = self.machine
         live = sorted(w for w, c in self.by_worker.items() if self.live(c))
         assert list(m.alive) == live
-        if live and m.history:
+        if live and m.history and not set(live) & set(m.history[-1].workers):
+            assert set(live) <= self.joiners  # every member is gone: nobody is left to admit the joiners
+        elif live and m.history:
             newest = m.history[-1]
             # every live worker is a member, but the processes of a node not every one of which registered;
             # the others left normally (a leave makes no new generation)
@@ -345,7 +347,8 @@ class Harness:
             assert m.phase is Phase.RUNNING
         for w, c in self.by_worker.items():
             if not self.live(c) and c.conn not in self.killed and not c.gone:
-                assert c.last("fenced") is not None or c.last("refused") is not None, f"{w} not told why"
+                told = [c.last(op) for op in ("fenced", "refused", "finished")]
+                assert any(m is not None for m in told), f"{w} not told why"
         for c in self.strays:
             assert (
                 c.closed and c.inbox and c.inbox[-1][0] in ("refused", "fenced") and c.inbox[-1][1]["reason"]
@@ -589,3 +592,27 @@ def test_a_returning_node_gets_a_new_id_and_its_old_id_is_fenced() -> None:
     h.join(7, processes=1)
     (joiner,) = h.joiners
     assert joiner.node == 3 and joiner.node not in (0, 1, 2)
+
+
+def test_recovering_an_admission_asked_while_agreeing_on_a_failure_is_folded_into_one_recovery() -> None:
+    h = started()
+    h.join(0, processes=1)
+    for i in (0, 2):
+        h.by_worker[Worker(i, 0)].responsive = False
+    h.kill(1)
+    h.apply(h.machine.tick(h.now))  # a closed connection: announced at once, generation 1, being agreed
+    assert h.machine.phase is Phase.AGREEING and h.machine.current.generation == 1
+    h.admit(0)  # a member that recovers asks for the joiner (its go is generation 0's)
+    g2 = h.machine.current
+    assert g2.generation == 2 and g2.workers == (Worker(0, 0), Worker(2, 0), Worker(3, 0))
+    assert (g2.removed, g2.added) == ((Worker(1, 0),), (Worker(3, 0),))
+
+
+def test_the_end_of_the_training_lets_the_pending_joiners_go() -> None:
+    h = started(2)
+    h.join(0, processes=1)
+    for i in (0, 1):
+        h.leave(i)
+    (joiner,) = h.joiners
+    assert h.by_worker[joiner].last("finished")["reason"].startswith("the training ended")
+    assert h.by_worker[joiner].closed and h.machine.phase is Phase.DONE

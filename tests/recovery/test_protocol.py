@@ -58,7 +58,7 @@ class RawClient:
                 msg = self.pending.pop(0)
                 if msg["op"] == op:
                     return msg
-                assert msg["op"] in ("welcome", "ack", "abort"), (
+                assert msg["op"] in ("welcome", "ack", "abort", "joiners"), (
                     f"{tuple(self.worker)} expected {op!r}, got {msg}"
                 )
             remaining = deadline - time.monotonic()
@@ -106,10 +106,13 @@ def coordinator(request: pytest.FixtureRequest) -> Iterator[Coordinator]:
         yield c
 
 
-def test_a_worker_registering_after_the_start_joins_in_the_next_generation(coordinator: Coordinator) -> None:
+def test_a_worker_registering_after_the_start_joins_when_a_member_admits_it(coordinator: Coordinator) -> None:
     a, b = RawClient(coordinator, W(0, 0)), RawClient(coordinator, W(1, 0))
     assert agree([a, b], 0) == [W(0, 0), W(1, 0)]
     c = RawClient(coordinator, W(2, 0))
+    c.expect("welcome")
+    assert a.expect("joiners") == {"op": "joiners", "nodes": 1}  # pending: the step goes on
+    a.send("admit", generation=0, nodes=1)  # the step boundary
     assert agree([a, b, c], 1) == [W(0, 0), W(1, 0), W(2, 0)]
     joined = coordinator.history[1]
     assert (joined.added, joined.removed, joined.agreed_at is not None) == ((W(2, 0),), (), True)

@@ -262,10 +262,11 @@ def check_loop(
     dead: set[int],
     num_nodes: int,
     lost_before_start: set[int] = frozenset(),
+    joined: set[int] = frozenset(),
 ) -> None:
     assert trainer.state.finished and trainer.global_step == STEPS
     assert {int(p.stem.split("-")[1].split(".")[0]) for p in out.glob("fault-*.json")} == dead
-    survivors = {n for n in range(num_nodes) if n not in dead}
+    survivors = {n for n in range(num_nodes) if n not in dead} | joined
     assert {int(p.stem[6:].split(".")[0]) for p in out.glob("final-*.pt")} == survivors
     for node in survivors:
         weights = torch.load(out / f"final-{node}.0.pt")

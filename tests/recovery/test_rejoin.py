@@ -14,6 +14,8 @@ from pathlib import Path
 import pytest
 from test_runtime import RUN_TIMEOUT_S, Join, check_run, run_training
 
+from lightning_oobleck.recovery import read_events
+
 
 def last(result: dict, label: object, kind: str) -> dict:
     return [r for r in result["records"][label] if r["kind"] == kind][-1]
@@ -38,3 +40,33 @@ def test_a_replacement_joins_after_a_failure_and_the_pipelines_grow_back(tmp_pat
     history = result["history"]
     assert [m.generation for m in history] == [0, 1, 2]  # the failure, the join: nothing for "b"
     assert history[2].added == ((joiner, 0),) and history[2].removed == ()
+
+
+@pytest.mark.timeout(RUN_TIMEOUT_S + 60)
+def test_two_joins_in_a_row_a_joiner_lost_while_receiving_and_a_join_with_a_failure(tmp_path: Path) -> None:
+    """Six nodes train; a joiner dies while it receives its layers (the members recover without it), two
+    more join one after the other (the pipelines grow to 4), and a member dies as soon as a fourth
+    joiner registered: the failure and the join are one recovery. Every replica, the joiners' included,
+    ends with the failure-free weights."""
+    steps = 40
+    joins = (
+        Join("a", after_step=1, faults=("kill-receive:0",)),
+        Join("b", after_step=3),
+        Join("c", after_step=12),
+        Join("d", after_step=22, kill_when_pending=3),
+    )
+    result = run_training(tmp_path, steps, {}, joins=joins, step_sleep=0.2)
+    check_run(result, steps, dead={"a", 3})
+    history = result["history"]
+    joined = {label: last(result, label, "registered")["node"] for label in "abcd"}
+    admitted = [w.node for m in history if m.agreed_at is not None for w in m.added]
+    assert admitted.count(joined["a"]) == 1 and joined["a"] not in history[-1].nodes
+    assert [n for n in admitted if n != joined["a"]] == [joined["b"], joined["c"], joined["d"]]
+    final = last(result, 0, "recovered")
+    assert final["f"] == 2 and sorted(n for p in final["pipelines"] for n in p) == sorted(
+        {0, 1, 2, 4, 5, joined["b"], joined["c"], joined["d"]}
+    )
+    agreed = [m for m in history if m.agreed_at is not None]
+    assert [(m.removed, m.added) for m in agreed][-1] == (((3, 0),), ((joined["d"], 0),))
+    _, recoveries = read_events(tmp_path / "run.jsonl")
+    assert [(e.removed, e.added) for e in recoveries][-1] == ([[3, 0]], [[joined["d"], 0]])

@@ -69,6 +69,8 @@ class Join:
     label: str
     after_step: int | None
     faults: tuple[str, ...] = ()
+    kill_when_pending: int | None = None
+    """A member node the test SIGKILLs as soon as this joiner registered (a failure while it waits)."""
 
 
 def run_training(
@@ -130,11 +132,14 @@ def run_training(
             start(node, [f"--node={node}"], faults.get(node, []))
         deadline = time.monotonic() + RUN_TIMEOUT_S
         waiting = list(joins)
-        while waiting or kill_together:
+        kill_when = {j.label: j.kill_when_pending for j in joins if j.kill_when_pending is not None}
+        while waiting or kill_together or kill_when:
             assert time.monotonic() < deadline, "the training did not reach the joins and kills"
             for join in [j for j in waiting if j.after_step is None or applied(j.after_step)]:
                 start(join.label, [f"--node-key={join.label}"], join.faults)
                 waiting.remove(join)
+            for label in [x for x in kill_when if '"registered"' in _text(tmp_path / f"node{x}.jsonl")]:
+                procs[kill_when.pop(label)].send_signal(signal.SIGKILL)
             if kill_together and all(applied(0, [node]) for node in range(NODES)):
                 for node in kill_together:
                     procs[node].send_signal(signal.SIGKILL)
@@ -165,6 +170,10 @@ def run_training(
         if (tmp_path / f"node{label}.jsonl.pt").exists()
     }
     return {"codes": codes, "records": records, "weights": weights, "history": coordinator.history}
+
+
+def _text(path: Path) -> str:
+    return path.read_text() if path.exists() else ""
 
 
 def check_run(result: dict[str, Any], steps: int, dead: set[int | str]) -> None:
