@@ -85,10 +85,11 @@ def launch_rank(trainer: L.Trainer) -> int:
     return trainer.global_rank
 
 
-def train(args: argparse.Namespace) -> None:
-    """One fit in its own process: ``--strategy`` one of ``LAYOUTS`` or ddp, optional kill and resume."""
+def train(args: argparse.Namespace, clock_type: type[Clock] = Clock) -> None:
+    """One fit in its own process: ``--strategy`` one of ``LAYOUTS`` or ddp, optional kill and resume;
+    ``args.rejoin_after_s``, if there: a new node replaces the dead one that long after its death."""
     out = Path(args.out)
-    clock = Clock(out, args.strategy, args.kill_rank, args.kill_at_step)
+    clock = clock_type(out, args.strategy, args.kill_rank, args.kill_at_step)
     text = make_corpus(200_000, 0)
     data = CharWindows(text, MODEL["seq_len"])
     if args.strategy in LAYOUTS:
@@ -100,6 +101,7 @@ def train(args: argparse.Namespace) -> None:
             microbatch_size=MICRO,
             fault_tolerance=2,
             start_method="forkserver",
+            replace_failed_after_s=getattr(args, "rejoin_after_s", None),
             planner={"cluster": {"device_memory_bytes": memory}},
         )
         loader = DataLoader(data, batch_size=GLOBAL_BATCH, shuffle=True)
@@ -151,17 +153,21 @@ def throughput(steps: list[dict[str, float]], first: int, last: int) -> float:
     return (last - first) * GLOBAL_BATCH / (times[last] - times[first])
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
+def failure_parser(doc: str | None, steps: int) -> argparse.ArgumentParser:
+    """The options of a benchmark that kills a rank (and of its ``--train`` child processes)."""
+    parser = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--devices", type=int, default=6)
-    parser.add_argument("--steps", type=int, default=30)
+    parser.add_argument("--steps", type=int, default=steps)
     parser.add_argument("--kill-rank", type=int, default=1)
     parser.add_argument("--kill-at-step", type=int, default=10)
     parser.add_argument("--train", action="store_true", help=argparse.SUPPRESS)
-    parser.add_argument("--strategy", help=argparse.SUPPRESS)
     parser.add_argument("--out", help=argparse.SUPPRESS)
+    return parser
+
+
+def main() -> None:
+    parser = failure_parser(__doc__, steps=30)
+    parser.add_argument("--strategy", help=argparse.SUPPRESS)
     parser.add_argument("--resume", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.train:

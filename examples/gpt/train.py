@@ -5,6 +5,8 @@
     python examples/gpt/train.py --max-steps 50 --precision bf16-mixed strategy.microbatch_size=2
     python examples/gpt/train.py --devices 6 --fault-tolerance 2 --kill-rank 0 --kill-at-step 30
                                                                   # SIGKILL rank 0 at step 30: it recovers
+    python examples/gpt/train.py --devices 6 --fault-tolerance 2 --kill-rank 0 --kill-at-step 30 \
+        --rejoin-after-s 2                                        # ... and a new node joins 2 s later
 
 Settings come from ``--config`` (default: ``config.yaml`` beside this file), then ``key=value`` dot-list
 overrides (``trainer.max_steps=100``, ``strategy.global_batch_size=64``), then the flags.
@@ -96,6 +98,11 @@ def parse_args(argv: list[str] | None = None) -> tuple[argparse.Namespace, DictC
         help="how --kill-rank fails: a SIGKILL (a crash) or an exception (a bug, out of memory)",
     )
     parser.add_argument(
+        "--rejoin-after-s",
+        type=float,
+        help="start a new node this long after a node died: it joins (strategy.replace_failed_after_s)",
+    )
+    parser.add_argument(
         "--save", type=Path, help="after training, save a sharded checkpoint to this directory (all ranks)"
     )
     parser.add_argument(
@@ -111,6 +118,7 @@ def parse_args(argv: list[str] | None = None) -> tuple[argparse.Namespace, DictC
         "trainer.max_steps": args.max_steps,
         "trainer.precision": args.precision,
         "strategy.fault_tolerance": args.fault_tolerance,
+        "strategy.replace_failed_after_s": args.rejoin_after_s,
     }
     for key, value in flags.items():
         if value is not None:

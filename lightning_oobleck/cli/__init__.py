@@ -8,6 +8,7 @@ import sys
 
 # Sub-command modules; each defines ``register(subparsers)`` that adds its parsers and sets ``func``.
 _COMMAND_MODULES = (
+    "lightning_oobleck.cli.join",
     "lightning_oobleck.cli.plan",
     "lightning_oobleck.cli.submit",
     "lightning_oobleck.cli.timeline",

@@ -40,6 +40,18 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
+def _around(steps: list[dict[str, Any]], start: float, end: float, window: int = 5) -> tuple[float, float]:
+    """Mean throughput over the ``window`` steps before ``start`` and after ``end``."""
+
+    def rate(chosen: list[dict[str, Any]]) -> float:
+        return sum(s["samples"] for s in chosen) / max(sum(s["duration_s"] for s in chosen), 1e-9)
+
+    return (
+        rate([s for s in steps if s["time"] <= start][-window:]),
+        rate([s for s in steps if s["time"] > end][:window]),
+    )
+
+
 def draw_timeline(
     steps: list[dict[str, Any]], recoveries: list[RecoveryEvent], output: Path, title: str = ""
 ) -> None:
@@ -68,16 +80,25 @@ def draw_timeline(
                 label="failure detected" if first else None,
             )
         if event.resumed_at is not None:
+            joined = sorted({n for n, _ in event.added})
             ax.axvline(
-                event.resumed_at - t0, color="tab:green", linestyle="-", label="resumed" if first else None
+                event.resumed_at - t0,
+                color="tab:purple" if joined else "tab:green",
+                linestyle="-",
+                label=("node(s) joined" if joined else "resumed") if first or joined else None,
             )
             start = event.failed_at if event.failed_at is not None else event.detected_at
             if start is not None:
                 ax.axvspan(start - t0, event.resumed_at - t0, color="tab:orange", alpha=0.25)
-                lost = ", ".join(str(n) for n in sorted({n for n, _ in event.removed}))
-                change = f"lost node {lost}" if lost else f"{len(event.added)} worker(s) joined"
+                lost = sorted({n for n, _ in event.removed})
+                change = "\n".join(
+                    [f"lost node {', '.join(map(str, lost))}"] * bool(lost)
+                    + [f"node {', '.join(map(str, joined))} joined"] * bool(joined)
+                )
+                before, after = _around(steps, start, event.resumed_at)
                 ax.annotate(
-                    f"generation {event.generation}\n{change}\nrecovered in {event.resumed_at - start:.2f} s",
+                    f"generation {event.generation}\n{change}\nin {event.resumed_at - start:.2f} s; "
+                    f"{before:.0f} -> {after:.0f} samples/s",
                     xy=(event.resumed_at - t0, max(rates)),
                     xytext=(4, -4),
                     textcoords="offset points",

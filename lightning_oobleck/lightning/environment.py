@@ -25,15 +25,14 @@ from dataclasses import dataclass
 from lightning.fabric.plugins.environments import ClusterEnvironment
 from lightning.fabric.utilities.rank_zero import rank_zero_only
 
+from lightning_oobleck.recovery.protocol import NODE_KEY_ENV
+
 STORE_ADDR_VAR = "OOBLECK_STORE_ADDR"
 """``host:port`` of the supervisor's TCPStore (set by the local launcher, or by the SLURM batch script)."""
 RANK_VAR = "OOBLECK_RANK"
 WORLD_SIZE_VAR = "OOBLECK_WORLD_SIZE"
 NODE_VAR = "OOBLECK_NODE"
 DEVICE_VAR = "OOBLECK_DEVICE"
-NODE_KEY_VAR = "OOBLECK_NODE_KEY"
-"""Set for a process that joins a running training: a name for its node (the host, the join job); the
-coordinator gives the node id, so a node that comes back is a new node whatever its launch position says."""
 SLURM_VARS = ("SLURM_PROCID", "SLURM_NTASKS", "SLURM_LOCALID", "SLURM_NODEID")
 
 
@@ -104,7 +103,7 @@ class OobleckEnvironment(ClusterEnvironment):
     def node_key(self) -> str | None:
         """The name of this process's node if it joins a running training (``OOBLECK_NODE_KEY``), else
         ``None``: its node id is then the coordinator's (:meth:`set_node`), not its launch position's."""
-        return os.environ.get(NODE_KEY_VAR) or None
+        return os.environ.get(NODE_KEY_ENV) or None
 
     def set_node(self, node: int) -> None:
         """The node id the coordinator gave this joining process."""

@@ -61,7 +61,7 @@ from lightning.pytorch.trainer.states import TrainerFn
 
 from lightning_oobleck.execution.exit_guard import die_with_parent
 from lightning_oobleck.lightning.config import START_METHODS, StartMethod
-from lightning_oobleck.lightning.environment import DEVICE_VAR, NODE_KEY_VAR, local_worker_env
+from lightning_oobleck.lightning.environment import DEVICE_VAR, local_worker_env
 from lightning_oobleck.lightning.results import (
     collect_layers,
     read_error,
@@ -72,6 +72,7 @@ from lightning_oobleck.lightning.results import (
     write_worker_result,
 )
 from lightning_oobleck.recovery.agent import TrainingFinished, close_process_agent
+from lightning_oobleck.recovery.protocol import NODE_KEY_ENV
 
 if TYPE_CHECKING:
     import lightning.pytorch as pl
@@ -409,7 +410,7 @@ class OobleckLauncher(_Launcher):
                 rank, self.num_processes, self.devices_per_node, supervisor.store_addr
             )
             position[DEVICE_VAR] = str(device)
-            self._start(rank, {**supervisor.worker_env, **position, NODE_KEY_VAR: f"replacement-{new_node}"})
+            self._start(rank, {**supervisor.worker_env, **position, NODE_KEY_ENV: f"replacement-{new_node}"})
 
     def _recover_results(self, report: LaunchReport, workdir: Path, trainer: pl.Trainer | None) -> Any:
         result = read_result(workdir, report.result_rank) if report.result_rank is not None else None

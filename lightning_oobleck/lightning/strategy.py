@@ -65,7 +65,7 @@ from lightning_oobleck.lightning.data import (
     share_of_pipeline,
     wrap_dataloader,
 )
-from lightning_oobleck.lightning.environment import NODE_KEY_VAR, OobleckEnvironment, detect_environment
+from lightning_oobleck.lightning.environment import OobleckEnvironment, detect_environment
 from lightning_oobleck.lightning.module import (
     PipelineExecutor,
     PipelineModule,
@@ -79,7 +79,7 @@ from lightning_oobleck.lightning.precision import with_global_norm_clipping
 from lightning_oobleck.lightning.units import FitUnits, check_tied_parameter_groups, share_logger_versions
 from lightning_oobleck.planning.plan import Plan
 from lightning_oobleck.recovery.agent import WorkerAgent, close_process_agent, process_agent
-from lightning_oobleck.recovery.protocol import ADDRESS_ENV, Timeouts
+from lightning_oobleck.recovery.protocol import ADDRESS_ENV, NODE_KEY_ENV, Timeouts
 from lightning_oobleck.recovery.runtime import Admission, join_training
 from lightning_oobleck.recovery.service import CoordinatorService
 from lightning_oobleck.recovery.startup import publish_plan, read_plan, start
@@ -241,18 +241,9 @@ class OobleckStrategy(ParallelStrategy, PipelineExecutor):
         elif os.environ.get(
             ADDRESS_ENV
         ):  # a coordinator runs: workers lost before the first step are survived
-            timeouts = Timeouts(cfg.heartbeat_timeout_s, cfg.hang_timeout_s)
-            self._agent = process_agent(
-                environment.worker, connect_timeout=cfg.plan_timeout_s, timeouts=timeouts
-            )
+            self._agent = self._start_agent(environment.worker)
             _, _, self._groups = start(
-                self._agent,
-                store,
-                make_plan,
-                cfg.plan_timeout_s,
-                backend=backend,
-                group_timeout=timedelta(seconds=cfg.hang_timeout_s),
-                slow_after=timedelta(seconds=cfg.collective_timeout_s),
+                self._agent, store, make_plan, cfg.plan_timeout_s, **self._generation_options(backend)
             )
         else:
             plan = (
@@ -266,22 +257,32 @@ class OobleckStrategy(ParallelStrategy, PipelineExecutor):
         environment.set_world_size(self._groups.world_size)
         rank_zero_only.rank = self._groups.rank
 
+    def _start_agent(self, worker: tuple[int | None, int], node_key: str | None = None) -> WorkerAgent:
+        """This process's agent (registered once per process), with the job's failure-detector timeouts."""
+        cfg = self.config
+        timeouts = Timeouts(cfg.heartbeat_timeout_s, cfg.hang_timeout_s)
+        return process_agent(worker, connect_timeout=cfg.plan_timeout_s, timeouts=timeouts, node_key=node_key)
+
+    def _generation_options(self, backend: str) -> dict[str, Any]:
+        """How a generation's process groups are built: the backend and the bounds of every wait."""
+        cfg = self.config
+        return {
+            "backend": backend,
+            "group_timeout": timedelta(seconds=cfg.hang_timeout_s),
+            "slow_after": timedelta(seconds=cfg.collective_timeout_s),
+        }
+
     def _join(self, environment: OobleckEnvironment, store: dist.Store, backend: str) -> None:
         """This process joins a running training: wait to be admitted at a step boundary, then take its role
         in the new plan with the layers and optimizer state copied from live replicas."""
         if not os.environ.get(ADDRESS_ENV):
             raise RuntimeError(
-                f"{NODE_KEY_VAR} is set (this process joins a running training) but {ADDRESS_ENV} is not: "
+                f"{NODE_KEY_ENV} is set (this process joins a running training) but {ADDRESS_ENV} is not: "
                 "a joiner needs the running job's coordinator; start it with `oobleck join` (SLURM) or let "
                 "the launcher replace a dead worker (replace_failed_after_s)"
             )
         cfg, module = self.config, self._pipeline_module()
-        self._agent = agent = process_agent(
-            (None, environment.position.device),
-            connect_timeout=cfg.plan_timeout_s,
-            timeouts=Timeouts(cfg.heartbeat_timeout_s, cfg.hang_timeout_s),
-            node_key=environment.node_key,
-        )
+        self._agent = agent = self._start_agent((None, environment.position.device), environment.node_key)
         environment.set_node(agent.worker.node)
         build_layers = partial(
             build_stage,
@@ -296,10 +297,8 @@ class OobleckStrategy(ParallelStrategy, PipelineExecutor):
                 store,
                 build_layers,
                 self.root_device,
-                backend=backend,
-                group_timeout=timedelta(seconds=cfg.hang_timeout_s),
-                slow_after=timedelta(seconds=cfg.collective_timeout_s),
                 agreement_timeout=cfg.hang_timeout_s,
+                **self._generation_options(backend),
             )
         self._groups = self._admission.groups
         plan = self._groups.plan

@@ -29,7 +29,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 
 import torch
 import torch.distributed as dist
-from lightning.fabric.utilities.rank_zero import rank_zero_warn
+from lightning.fabric.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from lightning.pytorch import LightningModule, Trainer
 from lightning.pytorch.core.optimizer import _init_optimizers_and_lr_schedulers
 from lightning.pytorch.loggers import CSVLogger, TensorBoardLogger
@@ -388,6 +388,11 @@ class FitUnits:
             continue_logger_runs(self.trainer)
         for warning in event.warnings:
             rank_zero_warn(f"oobleck: {warning}")
+        if joined := sorted({node for node, _ in event.added}):
+            rank_zero_info(
+                f"oobleck: node(s) {', '.join(map(str, joined))} joined at step {recovery.ledger.steps}: "
+                f"{len(plan.pipelines)} pipelines on {len(plan.nodes)} nodes, f={plan.fault_tolerance}"
+            )
 
     def flush_loggers(self) -> None:
         """Write what rank 0's loggers hold, so that a new rank 0 continues from it if this one is lost."""

@@ -2,7 +2,7 @@
 
 The agent connects to the :mod:`~lightning_oobleck.recovery.coordinator` (protocol there), registers
 its ``(node, device)``, and runs one daemon thread that sends heartbeats and receives notices. The
-training code sees three things:
+training code sees:
 
 * ``abort``: a :class:`threading.Event` set as soon as the coordinator reports a failure or announces a
   new generation. Every blocking communication of the worker waits through an abortable wait that
@@ -12,6 +12,10 @@ training code sees three things:
   returns the agreed :class:`~lightning_oobleck.recovery.protocol.Membership` (rank = index). If yet
   another failure happens meanwhile, it starts over with the newer generation by itself. On return
   ``abort`` is clear again (unless a newer failure already arrived).
+* joiners: ``joiners`` is how many whole nodes wait to join (the coordinator tells the members);
+  :meth:`WorkerAgent.request_admission` asks for them at a step boundary. A joiner's own agent registers
+  without a node id (``node_key``) and learns it from the coordinator; it waits in ``agree`` until admitted,
+  or gets :class:`TrainingFinished` if the training ends first.
 * fencing: if the coordinator declares this worker dead (it was stopped, hung or cut off), the agent
   exits the process at once with status ``FENCED_EXIT_CODE``, without running any more training code.
   It also fences itself when its own thread was frozen longer than the heartbeat timeout (SIGSTOP
@@ -117,6 +121,8 @@ class WorkerAgent:
         self.node_key = node_key if node is None else None
         self.joiners = 0
         """How many whole nodes wait to join, as the coordinator last said (members only)."""
+        self.registered_at: float | None = None
+        """Wall-clock time the coordinator welcomed this worker (for a joiner: when it began to wait)."""
         self.connect_timeout = connect_timeout
         self.timeouts = timeouts
         """The failure detector's timeouts this worker's configuration asks for (``None``: the
@@ -208,6 +214,7 @@ class WorkerAgent:
                 f"the coordinator refused worker {tuple(self.worker)}: {first['reason']}"
             )
         self.worker = Worker(int(first["node"]), self.worker.device)
+        self.registered_at = time.time()
         self.heartbeat_interval = float(first["heartbeat_interval"])
         self.heartbeat_timeout = float(first["heartbeat_timeout"])
         self._sock.settimeout(max(1.0, self.heartbeat_timeout))

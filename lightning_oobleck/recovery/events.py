@@ -118,11 +118,14 @@ class EventLog:
         )
 
     def recovery(self, event: RecoveryEvent, step: int | None = None) -> None:
-        """Record a finished recovery; the logger gets ``recovery/<phase>_s`` metrics at ``step``."""
+        """Record a finished recovery (a failure, a join or both); the logger gets ``recovery/<phase>_s``,
+        the generation, the nodes lost and joined, and the fault tolerance, at ``step``."""
         self._append(event.to_record())
         if self.logger is not None:
             metrics = {f"recovery/{phase}_s": seconds for phase, seconds in event.durations().items()}
             metrics["recovery/generation"] = float(event.generation)
+            metrics["recovery/nodes_lost"] = float(len({node for node, _ in event.removed}))
+            metrics["recovery/nodes_joined"] = float(len({node for node, _ in event.added}))
             if event.fault_tolerance is not None:
                 metrics["recovery/fault_tolerance"] = float(event.fault_tolerance)
             self.logger.log_metrics(metrics, step=step)

@@ -61,6 +61,11 @@ SECRET_ENV = "OOBLECK_COORDINATOR_SECRET"
 """Environment variable holding the job's secret, made at launch: the coordinator registers only workers that
 present it (never logged)."""
 
+NODE_KEY_ENV = "OOBLECK_NODE_KEY"
+"""Environment variable set for a process that joins a running training: a name for its node (the join job
+and its node index, a replacement's number); the coordinator gives the node id, so a node that comes back
+is a new node whatever its launch position says."""
+
 MAX_LINE_BYTES = 1 << 20
 
 

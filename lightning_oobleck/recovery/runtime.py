@@ -29,6 +29,16 @@ switch the engine. The switch is committed like a unit: a barrier after the copy
 but missed the barrier (a failure right then) adopts the copied layout in the next recovery, since the
 barrier's completion anywhere proves that every worker had finished its copy.
 
+**Joins.** A training step (:meth:`Recovery.step`) ends with :meth:`Recovery.commit`, whose all-reduce also
+carries how many whole nodes wait to join (the first worker's view, so that every worker decides alike);
+at the next step's start the members ask the coordinator to admit as many as the :class:`JoinPolicy`
+says, and recover into the generation that includes them as after a failure, with nothing to redo: the
+plan grows (:func:`~lightning_oobleck.planning.reconfigure.reconfigure` with the joined nodes), the first
+member at the newest unit hands the joiners the layout, its ledger, its optimizer settings and its host's
+:meth:`RecoveryHost.join_state`, and the copy fills the joiners from live replicas. The joiner's side is
+:func:`join_training`. A failure that interrupts a step while nodes wait admits them in the same
+recovery (``at_once``).
+
 A failure during recovery (a peer lost, an abort, a bounded wait running out) starts over with the next
 generation, at most ``max_attempts`` times. When the survivors cannot form a pipeline, or more failed than
 the plan tolerates, :class:`UnrecoverableFailure` is raised at the switch; if every layer still has a live
@@ -279,12 +289,7 @@ class Recovery:
     def _admitted(self, admission: Admission) -> None:
         """Continue as a joiner admitted by :func:`join_training`: the members' position, the optimizer
         state it received and their optimizer settings."""
-        if len(admission.settings) != len(self.optimizer.param_groups):
-            raise UnrecoverableFailure(
-                f"the members' optimizer has {len(admission.settings)} parameter group(s), this joiner's "
-                f"{len(self.optimizer.param_groups)}: configure_optimizers must build the same groups for "
-                "any set of layers (e.g. decay / no-decay, even when one is empty)"
-            )
+        self._check_group_count(len(admission.settings), "the members' optimizer")
         for group, settings in zip(self.optimizer.param_groups, admission.settings, strict=True):
             group.update(settings)
         load_state_by_name(self.optimizer, self.module, admission.state)
@@ -491,6 +496,7 @@ class Recovery:
     def _run_switch(self, switch: _Switch) -> None:
         """Move to the agreed plan with every member: build groups, copy state, barrier, install."""
         membership, event = switch.membership, switch.event
+        tolerated = self.plan.fault_tolerance
         self._wait_for_members(membership, "switch")
         if isinstance(switch.plan, ReconfigurationError):
             self._checkpoint_and_stop(membership, switch.plan)
@@ -517,6 +523,15 @@ class Recovery:
         event.mark("resumed")
         event.fault_tolerance = reconfiguration.plan.fault_tolerance
         event.warnings = list(reconfiguration.plan.warnings)
+        if event.fault_tolerance > tolerated:
+            log.warning(
+                "%d node(s) joined: %d pipelines on %d nodes tolerate f=%d failure(s) again (was %d)",
+                len({node for node, _ in event.added}),
+                len(reconfiguration.plan.pipelines),
+                len(reconfiguration.plan.nodes),
+                event.fault_tolerance,
+                tolerated,
+            )
         for warning in event.warnings:
             log.warning("%s", warning)
         if membership.workers[0] == self.worker:
@@ -580,12 +595,7 @@ class Recovery:
         """Make ``copied`` the layout this worker holds, in the same optimizer object: its parameter
         groups regrouped for the new layers (as the host groups them), the state loaded by name."""
         fresh = self.host.build_optimizer(copied.module)
-        if len(fresh.param_groups) != len(self.optimizer.param_groups):
-            raise UnrecoverableFailure(
-                f"the optimizer built for the new layers has {len(fresh.param_groups)} param group(s), the "
-                f"running one {len(self.optimizer.param_groups)}: configure_optimizers must build the same "
-                "groups for any set of layers (e.g. decay / no-decay, even when one is empty)"
-            )
+        self._check_group_count(len(fresh.param_groups), "the optimizer built for the new layers")
         for group, new in zip(self.optimizer.param_groups, fresh.param_groups, strict=True):
             group["params"] = list(new["params"])
         self.optimizer.state = defaultdict(dict)
@@ -593,6 +603,14 @@ class Recovery:
         copied.module.zero_grad(set_to_none=True)
         self.module, self.plan = copied.module, copied.plan
         self.generation = copied.generation
+
+    def _check_group_count(self, count: int, whose: str) -> None:
+        if count != len(self.optimizer.param_groups):
+            raise UnrecoverableFailure(
+                f"{whose} has {count} param group(s), the running one {len(self.optimizer.param_groups)}: "
+                "configure_optimizers must build the same groups for any set of layers (e.g. decay / "
+                "no-decay, even when one is empty)"
+            )
 
     def _checkpoint_and_stop(self, membership: Membership, error: ReconfigurationError) -> None:
         """Write a checkpoint of the survivors (every layer once), then raise.

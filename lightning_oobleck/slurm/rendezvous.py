@@ -40,6 +40,8 @@ import sys
 import threading
 from collections.abc import Sequence
 
+from lightning_oobleck.slurm.join import JoinInfo, join_file, write_join_file
+
 MODULE = "lightning_oobleck.slurm.rendezvous"
 """The entry point's module name (stable: batch scripts name it)."""
 STORE_ADDR_VAR = "OOBLECK_STORE_ADDR"
@@ -57,10 +59,12 @@ def serve(
     heartbeat_timeout_s: float,
     poll_s: float = 1.0,
     bind: str | None = None,
+    command: Sequence[str] = (),
 ) -> None:
     """Host the store on ``port`` (0: any free port) and a coordinator for ``world_size`` workers (any free
-    port), print the ``export`` line, serve until told to stop. The coordinator listens on ``bind``
-    (default: the address ``host`` resolves to, the interface the tasks reach this host by)."""
+    port), print the ``export`` line, write the job's join file (:mod:`~lightning_oobleck.slurm.join`:
+    ``command`` is the training's, for the join jobs), serve until told to stop. The coordinator listens on
+    ``bind`` (default: the address ``host`` resolves to, the interface the tasks reach this host by)."""
     # Imported here, not at the top: ``--detach`` returns the address sooner without torch's import.
     from torch.distributed import TCPStore
 
@@ -74,14 +78,15 @@ def serve(
     )
     # Fenced workers on this host are SIGKILLed so that their gloo peers see them gone at once; tasks on
     # other hosts fence themselves.
+    tasks_per_node = _env_int("SLURM_NTASKS_PER_NODE") or 1
     coordinator = Coordinator(
         world_size,
         bind or interface_of(host),
+        devices_per_node=tasks_per_node,
         advertise_host=host,
         heartbeat_timeout=heartbeat_timeout_s,
         kill_fenced=True,
-        secret=secrets.token_hex(16),
-        allow_joins=False,
+        secret=secrets.token_hex(16),  # joiners read it from the join file, readable by the user only
     ).start()
     assert coordinator.secret is not None
     exports = {
@@ -89,6 +94,18 @@ def serve(
         ADDRESS_ENV: coordinator.address,
         SECRET_ENV: coordinator.secret,  # for the tasks: the batch script evals this line, never prints it
     }
+    job_id = os.environ.get("SLURM_JOB_ID")
+    joining = join_file(os.getcwd(), job_id) if job_id else None
+    if joining is not None:
+        info = JoinInfo(
+            job_id,
+            exports[STORE_ADDR_VAR],
+            coordinator.address,
+            coordinator.secret,
+            tasks_per_node,
+            tuple(command),
+        )  # type: ignore[arg-type]
+        write_join_file(joining, info)
     print("export " + " ".join(f"{k}={shlex.quote(v)}" for k, v in exports.items()), flush=True)
     stop = threading.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
@@ -98,6 +115,8 @@ def serve(
             if watch_pid is not None and not _alive(watch_pid):
                 break
     finally:
+        if joining is not None:
+            joining.unlink(missing_ok=True)
         coordinator.stop()
 
 
@@ -176,6 +195,9 @@ def _parser() -> argparse.ArgumentParser:
         "--detach", action="store_true", help="serve in the background; print the export line"
     )
     parser.add_argument("--log", default=os.devnull, help="with --detach: the server's log file")
+    parser.add_argument(
+        "command", nargs="*", help="the training command the tasks run (for join jobs: oobleck join)"
+    )
     return parser
 
 
@@ -194,6 +216,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             serve_argv += ["--bind", args.bind]
         if args.watch_pid is not None:
             serve_argv += ["--watch-pid", str(args.watch_pid)]
+        serve_argv += ["--", *args.command]
         try:
             print(detach(serve_argv, args.log), flush=True)
         except RuntimeError as e:
@@ -201,7 +224,15 @@ def main(argv: Sequence[str] | None = None) -> int:
             return 1
         return 0
     with contextlib.suppress(KeyboardInterrupt):
-        serve(args.host, args.port, args.world_size, args.watch_pid, args.heartbeat_timeout, bind=args.bind)
+        serve(
+            args.host,
+            args.port,
+            args.world_size,
+            args.watch_pid,
+            args.heartbeat_timeout,
+            bind=args.bind,
+            command=args.command,
+        )
     return 0
 
 

@@ -11,7 +11,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from lightning_oobleck.recovery.agent import announce_presence
+from lightning_oobleck.recovery.agent import TrainingFinished, announce_presence
+from lightning_oobleck.recovery.protocol import NODE_KEY_ENV
 
 
 def announce_slurm_task() -> bool:
@@ -23,14 +24,25 @@ def announce_slurm_task() -> bool:
     return announce_presence((int(os.environ["SLURM_NODEID"]), int(os.environ["SLURM_LOCALID"])))
 
 
-def run_script(script: str, args: Sequence[str]) -> None:
+def run_script(script: str, args: Sequence[str], join: bool = False) -> None:
     """Announce this task, then run ``script`` as ``__main__`` as ``python SCRIPT ARGS`` would: with
     ``sys.argv = [script, *args]`` and the script's directory first on ``sys.path`` (so that it imports its
-    neighbours)."""
-    announce_slurm_task()
+    neighbours).
+
+    ``join``: the task joins a running training (a join job's, :mod:`~lightning_oobleck.slurm.join`): its
+    node is named by this job and its node index (``OOBLECK_NODE_KEY``), never by ``SLURM_NODEID``, which
+    starts at 0 in every job; if the training ends before it was admitted, the script stops there and the
+    task ends with status 0."""
+    if join:
+        os.environ[NODE_KEY_ENV] = f"{os.environ['SLURM_JOB_ID']}.{os.environ['SLURM_NODEID']}"
+    else:
+        announce_slurm_task()
     sys.argv = [script, *args]
     sys.path.insert(0, str(Path(script).parent))
-    runpy.run_path(script, run_name="__main__")
+    try:
+        runpy.run_path(script, run_name="__main__")
+    except TrainingFinished as e:
+        print(f"oobleck: {e}: nothing to do", file=sys.stderr)
 
 
 @dataclass(frozen=True)
@@ -53,12 +65,14 @@ class ScriptTask:
 
 
 def main(argv: list[str] | None = None) -> None:
-    """``python -m lightning_oobleck.slurm.task SCRIPT [ARGS]``: :func:`run_script`; its exit status is the
-    process's."""
+    """``python -m lightning_oobleck.slurm.task [--join] SCRIPT [ARGS]``: :func:`run_script`; its exit
+    status is the process's."""
     argv = sys.argv[1:] if argv is None else argv
+    join = argv[:1] == ["--join"]
+    argv = argv[join:]
     if not argv:
-        sys.exit("usage: python -m lightning_oobleck.slurm.task SCRIPT [ARGS]")
-    run_script(argv[0], argv[1:])
+        sys.exit("usage: python -m lightning_oobleck.slurm.task [--join] SCRIPT [ARGS]")
+    run_script(argv[0], argv[1:], join)
 
 
 if __name__ == "__main__":

@@ -50,6 +50,7 @@ def test_a_recovery_reaches_the_jsonl_file_and_the_lightning_logger_with_its_pha
     with open(Path(logger.log_dir) / "metrics.csv") as f:
         (row,) = csv.DictReader(f)
     assert row["step"] == "8" and float(row["recovery/generation"]) == 3
+    assert (float(row["recovery/nodes_lost"]), float(row["recovery/nodes_joined"])) == (1, 0)
     assert {k: float(row[f"recovery/{k}_s"]) for k in expected} == pytest.approx(expected)
 
 
@@ -71,3 +72,19 @@ def test_bad_inputs_get_errors_that_name_the_fix(tmp_path: Path) -> None:
     short = parser.parse_args(["timeline", str(one_step)])
     with pytest.raises(CliError, match="1 step records: at least 2"):
         short.func(short)
+
+
+def test_the_timeline_marks_a_join_with_the_throughput_before_and_after(tmp_path: Path) -> None:
+    log = EventLog(tmp_path / "run.jsonl")
+    for step in range(6):  # 32 samples per 0.5 s before the join, per 0.25 s after
+        log.step(step, samples=32, duration_s=0.5, generation=1, at=10.0 + 0.5 * step)
+    join = RecoveryEvent(generation=2, added=[[6, 0], [6, 1]], cause="(6, 0) joined; (6, 1) joined")
+    join.detected_at, join.resumed_at = 12.6, 13.0
+    log.recovery(join)
+    for step in range(6, 12):
+        log.step(step, samples=32, duration_s=0.25, generation=2, at=13.0 + 0.25 * (step - 5))
+    steps, recoveries = read_events(tmp_path / "run.jsonl")
+    assert timeline._around(steps, 12.6, 13.0) == pytest.approx((64.0, 128.0))
+    output = tmp_path / "run.png"
+    timeline.draw_timeline(steps, recoveries, output)
+    assert output.stat().st_size > 10_000

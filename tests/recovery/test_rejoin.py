@@ -15,6 +15,7 @@ import pytest
 from test_runtime import RUN_TIMEOUT_S, Join, check_run, run_training
 
 from lightning_oobleck.recovery import read_events
+from lightning_oobleck.recovery.runtime import JoinPolicy
 
 
 def last(result: dict, label: object, kind: str) -> dict:
@@ -70,3 +71,50 @@ def test_two_joins_in_a_row_a_joiner_lost_while_receiving_and_a_join_with_a_fail
     assert [(m.removed, m.added) for m in agreed][-1] == (((3, 0),), ((joined["d"], 0),))
     _, recoveries = read_events(tmp_path / "run.jsonl")
     assert [(e.removed, e.added) for e in recoveries][-1] == ([[3, 0]], [[joined["d"], 0]])
+
+
+@pytest.mark.timeout(RUN_TIMEOUT_S + 60)
+def test_whole_template_admits_joiners_once_they_form_a_pipeline(tmp_path: Path) -> None:
+    """``join_policy="whole_template"`` (n0 = 2 here): a first joiner waits, pending, until a second one
+    registers; both are admitted in one generation, as a pipeline of their own."""
+    steps = 30
+    joins = (Join("a", after_step=1), Join("b", after_step=8))
+    result = run_training(tmp_path, steps, {}, joins=joins, policy="whole_template", step_sleep=0.2)
+    check_run(result, steps, dead=set())
+    joined = {last(result, label, "registered")["node"] for label in "ab"}
+    (join,) = [m for m in result["history"] if m.added]
+    assert {w.node for w in join.added} == joined
+    assert last(result, "a", "admitted")["step"] == last(result, "b", "admitted")["step"] >= 8
+    assert [sorted(p) for p in last(result, 0, "recovered")["pipelines"]][-1] == sorted(joined)
+
+
+@pytest.mark.timeout(RUN_TIMEOUT_S + 60)
+def test_a_hot_standby_waits_for_a_failure_and_replaces_the_lost_node(tmp_path: Path) -> None:
+    """``join_policy="hot_standby"``: a spare that started early stays pending while the plan has all its
+    nodes, and is admitted at the step boundary after node 2 dies, in its place."""
+    steps = 30
+    joins = (Join("s", after_step=0),)
+    result = run_training(
+        tmp_path, steps, {2: ["kill-forward:12"]}, joins=joins, policy="hot_standby", step_sleep=0.2
+    )
+    check_run(result, steps, dead={2})
+    registered = last(result, "s", "registered")["t"]
+    killed = last(result, 2, "fault")["t"]
+    assert registered < killed  # it waited, started, before the failure
+    failure, join = [m for m in result["history"] if m.generation > 0]
+    assert failure.removed == ((2, 0),) and join.added == ((6, 0),)
+    assert last(result, "s", "admitted")["step"] >= 12
+    assert last(result, 0, "recovered")["f"] == 2
+
+
+def test_the_join_policies_decide_from_the_waiting_nodes_and_the_plan() -> None:
+    from test_runtime import six_node_plan
+
+    from lightning_oobleck.planning.reconfigure import after_failures
+
+    full = six_node_plan()  # 6 nodes, n0 = 2
+    shrunk = after_failures(full, [1, 3]).plan
+    assert [JoinPolicy.AT_ONCE.nodes_to_admit(k, full) for k in (0, 1, 3)] == [0, 1, 3]
+    assert [JoinPolicy.WHOLE_TEMPLATE.nodes_to_admit(k, full) for k in (0, 1, 2, 3)] == [0, 0, 2, 3]
+    assert [JoinPolicy.HOT_STANDBY.nodes_to_admit(k, full) for k in (0, 1, 3)] == [0, 0, 0]
+    assert [JoinPolicy.HOT_STANDBY.nodes_to_admit(k, shrunk) for k in (0, 1, 3)] == [0, 1, 2]

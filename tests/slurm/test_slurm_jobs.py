@@ -17,6 +17,7 @@ import sys
 import time
 from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -32,6 +33,7 @@ from gpt_training import (
 )
 from slurm_cluster import REPO, Cluster, DownWatch
 
+from lightning_oobleck.cli import join as join_cli
 from lightning_oobleck.cli import submit as submit_cli
 from lightning_oobleck.execution.checkpoint import load_sharded_model
 from lightning_oobleck.slurm.cluster import TERMINAL_STATES, JobRecord, job_records, run
@@ -428,3 +430,81 @@ def test_sbatch_template_refuses_to_run_without_a_time_limit(cluster: Cluster, t
     assert done.returncode == 2
     assert "no time limit; submit with --time=HH:MM:SS" in (tmp_path / f"oobleck-{job_id}.out").read_text()
     assert not events(tmp_path), "training ran without a time limit"
+
+
+@pytest.mark.timeout(420)
+def test_a_crashed_node_comes_back_and_joins_the_running_training(
+    cluster: Cluster, tmp_path: Path, reference: dict[str, torch.Tensor], capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A 3-node job (``slurm/oobleck.sbatch``) loses a node; SLURM marks it DOWN; its daemon is restarted and
+    ``oobleck join JOBID`` submits a second job, whose task joins at a step boundary as node 3: the training
+    grows back to 3 nodes, both jobs complete, every step counts once and the weights equal the
+    failure-free run's. While the node is away each step idles (``HOLD``) so that the run does not
+    end before SLURM, the restart and a cold start of the joiner are through."""
+    out = tmp_path / "out"
+    out.mkdir()
+    hold = tmp_path / "hold"
+    script = tmp_path / "slow_while_held.py"
+    script.write_text(
+        "import os, runpy, sys, time\n"
+        "from torch.optim.optimizer import register_optimizer_step_post_hook\n"
+        f"def idle(*_):\n    time.sleep(3.0 if os.path.exists({str(hold)!r}) else 0.0)\n"
+        "register_optimizer_step_post_hook(idle)\n"
+        f"sys.argv[0] = {str(EXAMPLE)!r}\n"
+        f"sys.path.insert(0, {str(EXAMPLE.parent)!r})\n"
+        f"runpy.run_path({str(EXAMPLE)!r}, run_name='__main__')\n"
+    )
+    command = [str(script), *training_args(out)]
+    job_id = _sbatch(tmp_path, ["--nodes=3", "--time=8"], command).stdout.strip()
+    _wait_for_step(out, 2, job_id)
+    hold.touch()
+    victim, _, watch = _crash_non_batch_node(cluster, job_id, out)
+    join_id = None
+    try:
+        _wait_for(lambda: [e for e in events(out) if e["kind"] == "recovery"], "the survivors' recovery")
+        watch.join(timeout=90)
+        assert watch.down_at is not None, f"SLURM never declared {victim} DOWN"
+        cluster.restart(victim)
+        parser = argparse.ArgumentParser(prog="oobleck")
+        join_cli.register(parser.add_subparsers(dest="command", required=True))
+        args = parser.parse_args(["join", job_id, "--nodes=1"])
+        assert args.func(args) == 0
+        submitted = re.search(
+            rf"submitted job (\d+): 1 node\(s\) join the training of job {job_id}", capsys.readouterr().out
+        )
+        assert submitted is not None
+        join_id = submitted.group(1)
+        joined = _wait_for(
+            lambda: [e for e in events(out) if e["kind"] == "recovery" and e["added"]], "the join", 180
+        )
+        hold.unlink()
+        records, join_records = _wait_for_end(job_id), _wait_for_end(join_id)
+    finally:
+        hold.unlink(missing_ok=True)
+        if join_id is not None:
+            subprocess.run(["scancel", join_id], check=False, timeout=30)
+    assert records[-1].state == "COMPLETED" and join_records[-1].state == "COMPLETED"
+    assert len(join_records[-1].nodes) == 1  # a job of its own (the test cluster shares its nodes' CPUs)
+    (failure,) = [e for e in events(out) if e["kind"] == "recovery" and e["removed"]]
+    assert failure["removed"] == [[cluster_node_id(victim), 0]]
+    (join,) = joined
+    assert join["added"] == [[3, 0]] and not join["removed"]  # a new node id: not SLURM's node index
+    assert join["fault_tolerance"] == 1 and not join["warnings"]
+    survivors = sorted({0, 1, 2} - {cluster_node_id(victim)})
+    grown = f"generation {join['generation']} announced: [({survivors[0]}, 0), ({survivors[1]}, 0), (3, 0)]"
+    assert grown in (tmp_path / f"oobleck-{job_id}-rendezvous.log").read_text()  # 3 nodes again
+    steps = _assert_steps_once(out)
+    assert steps[-1]["generation"] == join["generation"]
+    assert not (tmp_path / f"oobleck-{job_id}-join.json").exists()  # removed with the job
+    join_log = (tmp_path / f"oobleck-join-{job_id}-{join_id}.out").read_text(errors="replace")
+    assert f"joins job {job_id}'s training" in join_log
+    _assert_reference_weights(out, reference)
+
+
+def _wait_for(condition: Any, what: str, timeout_s: float = 120.0) -> Any:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if value := condition():
+            return value
+        time.sleep(0.2)
+    raise TimeoutError(f"no {what} in {timeout_s:.0f} s")
