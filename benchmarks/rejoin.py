@@ -74,7 +74,7 @@ def main() -> None:
     parser.add_argument("--rejoin-after-s", type=float, default=1.0)
     args = parser.parse_args()
     if args.train:
-        args.strategy = "pipelines"
+        args.strategy, args.resume = "pipelines", None
         train(args, JoinerClock)
         return
     n, k_step = args.devices, args.kill_at_step

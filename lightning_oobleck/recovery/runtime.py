@@ -524,7 +524,7 @@ class Recovery:
         event.fault_tolerance = reconfiguration.plan.fault_tolerance
         event.warnings = list(reconfiguration.plan.warnings)
         if event.fault_tolerance > tolerated:
-            log.warning(
+            log.info(
                 "%d node(s) joined: %d pipelines on %d nodes tolerate f=%d failure(s) again (was %d)",
                 len({node for node, _ in event.added}),
                 len(reconfiguration.plan.pipelines),
