@@ -76,11 +76,13 @@ def test_two_joins_in_a_row_a_joiner_lost_while_receiving_and_a_join_with_a_fail
 @pytest.mark.timeout(RUN_TIMEOUT_S + 60)
 def test_whole_template_admits_joiners_once_they_form_a_pipeline(tmp_path: Path) -> None:
     """``join_policy="whole_template"`` (n0 = 2 here): a first joiner waits, pending, until a second one
-    registers; both are admitted in one generation, as a pipeline of their own."""
+    registers; both are admitted in one generation, as a pipeline of their own. A third one never finds a
+    partner: it waits until the training ends, and then ends too, with status 0."""
     steps = 30
-    joins = (Join("a", after_step=1), Join("b", after_step=8))
+    joins = (Join("a", after_step=1), Join("b", after_step=8), Join("c", after_step=12))
     result = run_training(tmp_path, steps, {}, joins=joins, policy="whole_template", step_sleep=0.2)
-    check_run(result, steps, dead=set())
+    check_run(result, steps, dead=set(), idle={"c"})
+    assert "the training ended before this worker was admitted" in last(result, "c", "not_admitted")["error"]
     joined = {last(result, label, "registered")["node"] for label in "ab"}
     (join,) = [m for m in result["history"] if m.added]
     assert {w.node for w in join.added} == joined

@@ -176,10 +176,16 @@ def _text(path: Path) -> str:
     return path.read_text() if path.exists() else ""
 
 
-def check_run(result: dict[str, Any], steps: int, dead: set[int | str]) -> None:
-    survivors = set(result["codes"]) - dead
+def check_run(
+    result: dict[str, Any], steps: int, dead: set[int | str], idle: set[int | str] = frozenset()
+) -> None:
+    """Every worker but the ``dead`` ended with all steps and the reference weights (``idle``: joiners never
+    admitted, which end with status 0 and train nothing), every sample of every step fed once."""
+    survivors = set(result["codes"]) - dead - idle
     for node, code in result["codes"].items():
-        if node in dead:
+        if node in idle:
+            assert code == 0 and not [r for r in result["records"][node] if r["kind"] == "applied"]
+        elif node in dead:
             assert code != 0, f"node {node} should have died"
         else:
             assert code == 0, f"survivor node {node} exited with {code}"

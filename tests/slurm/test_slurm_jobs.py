@@ -495,7 +495,8 @@ def test_a_crashed_node_comes_back_and_joins_the_running_training(
     assert grown in (tmp_path / f"oobleck-{job_id}-rendezvous.log").read_text()  # 3 nodes again
     steps = _assert_steps_once(out)
     assert steps[-1]["generation"] == join["generation"]
-    assert not (tmp_path / f"oobleck-{job_id}-join.json").exists()  # removed with the job
+    join_file = tmp_path / f"oobleck-{job_id}-join.json"
+    _wait_for(lambda: not join_file.exists(), "the join file's removal once the job ended", 15)
     join_log = (tmp_path / f"oobleck-join-{job_id}-{join_id}.out").read_text(errors="replace")
     assert f"joins job {job_id}'s training" in join_log
     _assert_reference_weights(out, reference)
