@@ -68,25 +68,27 @@ def draw_timeline(
 
     fig, ax = plt.subplots(figsize=(10, 4.5), dpi=120)
     ax.plot(times, rates, color="tab:blue", marker=".", linewidth=1.2, label="throughput")
-    for i, event in enumerate(recoveries):
-        first = i == 0
+    labelled: set[str] = set()
+
+    def mark(at: float, color: str, style: str, label: str) -> None:
+        """A vertical line; each kind named once in the legend."""
+        ax.axvline(at - t0, color=color, linestyle=style, label=None if label in labelled else label)
+        labelled.add(label)
+
+    for event in recoveries:
+        joined = sorted({n for n, _ in event.added})
         if event.failed_at is not None:
-            ax.axvline(event.failed_at - t0, color="black", linestyle=":", label="failure" if first else None)
-        if event.detected_at is not None:
-            ax.axvline(
-                event.detected_at - t0,
-                color="tab:red",
-                linestyle="--",
-                label="failure detected" if first else None,
-            )
+            mark(event.failed_at, "black", ":", "failure")
+        if event.detected_at is not None:  # a pure join's "detection" is the members' admission request
+            if event.removed:
+                mark(event.detected_at, "tab:red", "--", "failure detected")
+            else:
+                mark(event.detected_at, "tab:purple", "--", "admission asked")
         if event.resumed_at is not None:
-            joined = sorted({n for n, _ in event.added})
-            ax.axvline(
-                event.resumed_at - t0,
-                color="tab:purple" if joined else "tab:green",
-                linestyle="-",
-                label=("node(s) joined" if joined else "resumed") if first or joined else None,
-            )
+            if joined:
+                mark(event.resumed_at, "tab:purple", "-", "node(s) joined")
+            else:
+                mark(event.resumed_at, "tab:green", "-", "resumed")
             start = event.failed_at if event.failed_at is not None else event.detected_at
             if start is not None:
                 ax.axvspan(start - t0, event.resumed_at - t0, color="tab:orange", alpha=0.25)

@@ -176,8 +176,8 @@ def _finish(
     if tolerance < requested:
         warnings.append(
             f"only {total} nodes remain: {len(groups)} pipeline(s) of at least n0={layout.n0} nodes fit, so "
-            f"the plan tolerates f={tolerance} failure(s) instead of {requested}; add nodes "
-            "(oobleck replan --add) to restore it"
+            f"the plan tolerates f={tolerance} failure(s) instead of {requested}; nodes that join restore "
+            "it (`oobleck join` under SLURM, replace_failed_after_s locally)"
         )
     layouts = [(layout.by_size[len(g)], layout.order(g)) for g in groups]
     layouts.sort(key=lambda tn: (-tn[0].num_nodes, tn[1]))

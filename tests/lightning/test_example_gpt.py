@@ -37,3 +37,36 @@ def test_gpt_example_trains_with_the_planners_plan(tmp_path: Path) -> None:
     assert "Oobleck plan: 2 pipelines, f=1, global batch 8 = 4 x 2" in run.stdout
     assert "done: 3 steps" in run.stdout
     assert "val_loss" in run.stdout
+
+
+@pytest.mark.timeout(240)
+def test_gpt_example_shows_a_node_dying_and_a_new_one_joining(tmp_path: Path) -> None:
+    """``--kill-rank R --kill-at-step S --rejoin-after-s T``: the whole cycle on one machine."""
+    args = [
+        "--devices=4",
+        "--max-steps=150",
+        "--fault-tolerance=1",
+        "--kill-rank=1",
+        "--kill-at-step=5",
+        "--rejoin-after-s=0.5",
+        "model.n_blocks=2",
+        "model.d_model=32",
+        "data.num_chars=20000",
+        "trainer.limit_val_batches=0",
+        "strategy.global_batch_size=8",
+        "strategy.microbatch_size=2",
+    ]
+    run = subprocess.run(
+        [sys.executable, str(TRAIN), *args],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=220,
+        check=False,
+    )
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    output = run.stdout + run.stderr
+    assert "KillAt: SIGKILL to rank 1" in output
+    assert "starting node 4 to replace node 1" in output
+    assert "oobleck: node(s) 4 joined at step" in output and "4 pipelines on 4 nodes, f=1" in output
+    assert "done: 150 steps" in run.stdout
