@@ -21,6 +21,7 @@ from lightning_oobleck.planning.config import PlannerConfig
 from lightning_oobleck.planning.plan import Plan
 from lightning_oobleck.planning.planner import make_plan
 from lightning_oobleck.planning.reconfigure import Reconfiguration, after_failures, after_joins
+from lightning_oobleck.planning.schedules import SCHEDULE_NAMES
 
 _FLAG_KEYS = {
     "layers": "model.layers",
@@ -31,6 +32,7 @@ _FLAG_KEYS = {
     "microbatch": "microbatch",
     "profile": "profile",
     "activation_checkpointing": "activation_checkpointing",
+    "schedule": "schedule",
 }
 """Command-line flags and the configuration keys they override."""
 
@@ -52,6 +54,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         "--activation-checkpointing",
         choices=["false", "true", "auto"],
         help="recompute activations: never, on every stage, or where a split would not fit otherwise",
+    )
+    plan.add_argument(
+        "--schedule", choices=list(SCHEDULE_NAMES), help="the pipeline schedule the plan runs (default 1f1b)"
     )
     plan.add_argument(
         "--set",
@@ -94,6 +99,7 @@ def run_plan(args: argparse.Namespace) -> int:
         state_factor=config.state_factor,
         exact_limit=config.exact_limit,
         activation_checkpointing=config.activation_checkpointing,
+        schedule=config.schedule,
     )
     _print(plan.to_dict(), plan, args.json)
     return 0
@@ -126,7 +132,8 @@ def _print(data: dict, plan: Plan, as_json: bool, result: Reconfiguration | None
         console.print(_copies_table(result))
     console.print(
         f"n0={plan.n0}  f={plan.fault_tolerance}  pipelines={len(plan.pipelines)}  "
-        f"micro-batches={plan.num_microbatches}  iteration {plan.iteration_time_s:.3f} s  "
+        f"micro-batches={plan.num_microbatches}  schedule {plan.schedule}  "
+        f"iteration {plan.iteration_time_s:.3f} s  "
         f"planned in {plan.planning_s:.3f} s"
     )
     for warning in plan.warnings:

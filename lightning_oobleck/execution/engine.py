@@ -2,9 +2,10 @@
 
 Each pipeline gets ``m_p`` consecutive micro-batches of the global batch (``Plan.microbatch_range``);
 the first stage of a pipeline feeds its share in, the last stage computes the loss of each micro-batch
-scaled by ``b / B`` and back-propagates it; after the stage's last backward the gradient sync sums each
-layer over its replicas. The gradients left in ``.grad`` are then exactly those of single-device
-training on the whole global batch with a mean loss.
+scaled by ``b / B`` and back-propagates it, in the order of the plan's schedule (an action list per
+worker, :mod:`lightning_oobleck.planning.schedules`); the gradient sync sums each layer over its
+replicas. The gradients left in ``.grad`` are then exactly those of single-device training on the whole
+global batch with a mean loss.
 """
 
 from __future__ import annotations
@@ -20,14 +21,7 @@ from torch import Tensor
 
 from lightning_oobleck.execution.grad_sync import DEFAULT_BUCKET_CAP_BYTES, GradientSync
 from lightning_oobleck.execution.process_groups import ProcessGroups
-from lightning_oobleck.execution.schedule import (
-    Context,
-    LossFn,
-    Microbatch,
-    StageContext,
-    run_eval,
-    run_train,
-)
+from lightning_oobleck.execution.schedule import Context, LossFn, Microbatch, StageContext, run_actions
 from lightning_oobleck.execution.stage import (
     LayerInit,
     LayerSource,
@@ -38,6 +32,14 @@ from lightning_oobleck.execution.stage import (
     resolve_layers,
 )
 from lightning_oobleck.planning.plan import Plan
+from lightning_oobleck.planning.schedules import (
+    Action,
+    PipelineSpec,
+    Timing,
+    in_flight_limit,
+    pipeline_actions,
+    validate,
+)
 
 
 def pipeline_batch_slice(plan: Plan, pipeline: int) -> slice:
@@ -141,24 +143,16 @@ class PipelineEngine:
             )
         self.module = module
         pipeline = plan.pipelines[self.role.pipeline]
-        stage = self.role.stage
-        module.recompute = pipeline.stages[stage].recompute
-        num_stages = len(pipeline.stages)
+        module.recompute = pipeline.stages[self.role.stage].recompute
         self.microbatches = pipeline.microbatches
         self.batch_slice = pipeline_batch_slice(plan, self.role.pipeline)
-        self._context = StageContext(
-            module=module,
-            num_stages=num_stages,
-            stage=stage,
-            prev_rank=groups.rank_of(pipeline.worker_of_stage(stage - 1)) if stage > 0 else None,
-            next_rank=groups.rank_of(pipeline.worker_of_stage(stage + 1)) if stage < num_stages - 1 else None,
-            device=self.device,
-            waiter=groups.waiter,
-            abort=self.abort,
-        )
+        self._context = StageContext(module, self.device, groups.waiter, self.abort, groups.rank_of)
         if self._grad_sync is not None:
             self._grad_sync.close()
         self._grad_sync = GradientSync(module, groups, self.bucket_cap_bytes)
+        self.train_actions, self.eval_actions = self._actions(plan, groups.worker, self._grad_sync)
+        self.trace: list[Timing] | None = None
+        """Set to a list to record when each action of the following steps ran (benchmarks, timelines)."""
         # Each parameter counts once in the norm: on the lowest pipeline's replica of its layer (of a tie's
         # canonical layer).
         tied = module.tied()
@@ -174,6 +168,30 @@ class PipelineEngine:
             p for p, tie in tied.items() if plan.layer_owners(tie.layers[0])[0] == groups.worker
         ]
 
+    @staticmethod
+    def _actions(
+        plan: Plan, worker: tuple[int, int], sync: GradientSync
+    ) -> tuple[list[Action], list[Action]]:
+        """This worker's training and evaluation action lists under ``plan``, validated with its whole
+        pipeline's (once per generation: the lists are the same every step)."""
+        role = plan.role(*worker)
+        pipeline = plan.pipelines[role.pipeline]
+        num_stages = len(pipeline.stages)
+        spec = PipelineSpec(
+            tuple(pipeline.worker_of_stage(s) for s in range(num_stages)),
+            tuple(tuple(s.layers) for s in pipeline.stages),
+            tuple(plan.microbatch_range(role.pipeline)),
+        )
+        train = pipeline_actions(spec, plan.schedule, {worker: sync.bucket_layers})
+        limits = {
+            w: in_flight_limit(plan.schedule, num_stages, s, pipeline.microbatches)
+            for s, w in enumerate(spec.workers)
+        }
+        validate(train, limits, {worker: len(sync.bucket_layers)})
+        evaluation = pipeline_actions(spec, plan.schedule, train=False)
+        validate(evaluation)
+        return train[worker], evaluation[worker]
+
     @property
     def is_first_stage(self) -> bool:
         return self.role.stage == 0
@@ -182,8 +200,9 @@ class PipelineEngine:
     def is_last_stage(self) -> bool:
         return self.role.stage == len(self.plan.pipelines[self.role.pipeline].stages) - 1
 
-    def _microbatches(self, inputs: Any, targets: Any, context: Context | None) -> list[Microbatch]:
-        """This pipeline's share, cut into micro-batches along the first dimension of every tensor."""
+    def _microbatches(self, inputs: Any, targets: Any, context: Context | None) -> dict[int, Microbatch]:
+        """This pipeline's share, cut into micro-batches along the first dimension of every tensor, by
+        global micro-batch index."""
         for name, part, needed in (
             ("inputs", inputs, self.is_first_stage),
             ("targets", targets, self.is_last_stage),
@@ -195,7 +214,8 @@ class PipelineEngine:
         xs = self._split("inputs", inputs) if self.is_first_stage else [None] * m
         ys = self._split("targets", targets) if self.is_last_stage else [None] * m
         side = {k: self._split(f"context[{k!r}]", v) for k, v in (context or {}).items()}
-        return [Microbatch(xs[i], ys[i], {k: v[i] for k, v in side.items()}) for i in range(m)]
+        ids = self.plan.microbatch_range(self.role.pipeline)
+        return {mb: Microbatch(xs[i], ys[i], {k: v[i] for k, v in side.items()}) for i, mb in enumerate(ids)}
 
     def _split(self, name: str, batch: Any) -> list[Any]:
         """``batch`` (a tensor or pytree of tensors) cut into this pipeline's micro-batches."""
@@ -213,7 +233,8 @@ class PipelineEngine:
         return [pytree.tree_unflatten([c[i] for c in cut], spec) for i in range(m)]
 
     def train_step(self, inputs: Any, targets: Any, context: Context | None = None) -> Tensor | None:
-        """One training step of this stage: 1F1B over the pipeline's micro-batches, then gradient sync.
+        """One training step of this stage: its action list (the plan's schedule) over the pipeline's
+        micro-batches, with the gradient sync.
 
         ``inputs`` (first stage), ``targets`` (last stage) and ``context`` (every stage: the side inputs the
         layers take by name) are this pipeline's share of the global batch
@@ -223,24 +244,27 @@ class PipelineEngine:
         """
         sync = self._grad_sync
         assert sync is not None
-        loss = run_train(
+        loss = run_actions(
             self._context,
+            self.train_actions,
             self._microbatches(inputs, targets, context),
             self.loss_fn,
             self.plan.microbatch_size / self.plan.global_batch_size,
-            before_last_backward=sync.arm,
-            after_last_backward=sync.flush,
+            sync,
+            self.trace,
         )
         sync.finish(self.abort)
         return loss
 
     def eval_step(self, inputs: Any, targets: Any, context: Context | None = None) -> Tensor | None:
         """Forward-only pipeline over this pipeline's share; same arguments and loss as :meth:`train_step`."""
-        return run_eval(
+        return run_actions(
             self._context,
+            self.eval_actions,
             self._microbatches(inputs, targets, context),
             self.loss_fn,
             self.plan.microbatch_size / self.plan.global_batch_size,
+            None,
         )
 
     def commit(self, loss: Tensor | None, extra: Sequence[float] = (), grad_norm: bool = True) -> list[float]:

@@ -6,11 +6,12 @@ bucketed into flat buffers (at most ``bucket_cap_bytes`` each) and all-reduced i
 those owners. The loss of each micro-batch is already scaled by ``b / B``, so the sum is the gradient
 of the global mean loss.
 
-Overlap: during the stage's last backward, a bucket is all-reduced as soon as every one of its
-parameters has its final gradient (``register_post_accumulate_grad_hook``), while autograd goes on
-with earlier layers, and while earlier stages are still in their backward. Buckets are filled in
-backward order (last layer first) and issued strictly in that order on every rank, a global order, so
-ranks sharing several groups never wait on each other in a cycle (NCCL runs them one after another).
+Overlap: during the stage's last gradient action (``B`` or ``W``), a bucket is all-reduced as soon as
+every one of its parameters has its final gradient (``register_post_accumulate_grad_hook``), while
+autograd goes on with earlier layers, and while earlier stages are still in their backward. Buckets are
+filled in backward order (last layer first) and issued strictly in that order on every rank, a global
+order, so ranks sharing several groups never wait on each other in a cycle (NCCL runs them one after
+another).
 """
 
 from __future__ import annotations
@@ -35,14 +36,17 @@ class _Bucket:
     group: dist.ProcessGroup
     params: list[nn.Parameter]
     flat: torch.Tensor
+    layers: tuple[int, ...]
     ready: int = 0
 
 
 class GradientSync:
     """The gradient buckets of one stage under one plan.
 
-    Per step: :meth:`arm` before the stage's last backward, :meth:`flush` after it, :meth:`finish` to
-    wait and write the sums back into ``.grad``. :meth:`close` removes the hooks (before a new plan).
+    Per step (the executor, :func:`~lightning_oobleck.execution.schedule.run_actions`): :meth:`arm` before
+    the stage's last gradient action, :meth:`reduce` for each ``REDUCE`` action, :meth:`flush` at the end
+    of the list, :meth:`finish` to wait and write the sums back into ``.grad``. :meth:`close` removes the
+    hooks (before a new plan). :attr:`bucket_layers` tells the schedule each bucket's layers.
     """
 
     def __init__(
@@ -52,6 +56,7 @@ class GradientSync:
         self.buckets: list[_Bucket] = []
         open_buckets: dict[tuple[object, ...], _Bucket] = {}
         sizes: dict[int, int] = {}
+        layers: dict[int, list[int]] = {}
         tied = {id(p) for p in module.tied()}
         for index in reversed(module.layer_indices):
             owners = groups.plan.layer_owners(index)
@@ -63,9 +68,12 @@ class GradientSync:
                 key = (owners, p.dtype, p.device)
                 bucket = open_buckets.get(key)
                 if bucket is None or sizes[id(bucket)] + p.numel() * p.element_size() > bucket_cap_bytes:
-                    bucket = open_buckets[key] = _Bucket(group, [], torch.empty(0))
+                    bucket = open_buckets[key] = _Bucket(group, [], torch.empty(0), ())
                     sizes[id(bucket)] = 0
+                    layers[id(bucket)] = []
                     self.buckets.append(bucket)
+                if index not in layers[id(bucket)]:
+                    layers[id(bucket)].append(index)
                 bucket.params.append(p)
                 sizes[id(bucket)] += p.numel() * p.element_size()
         self._handles: list[RemovableHandle] = [
@@ -78,16 +86,23 @@ class GradientSync:
         for p, tie in module.tied().items():
             group = groups.grad_group(groups.plan.tie_owners(tie.layers))
             if group is not None and p.requires_grad:
-                self.buckets.append(_Bucket(group, [p], torch.empty(0)))
+                held = tuple(i for i in tie.layers if i in module.layer_indices)
+                self.buckets.append(_Bucket(group, [p], torch.empty(0), held))
         for bucket in self.buckets:
+            bucket.layers = bucket.layers or tuple(layers[id(bucket)])
             p = bucket.params[0]
             bucket.flat = torch.zeros(sum(q.numel() for q in bucket.params), dtype=p.dtype, device=p.device)
         self._armed = False
         self._next = 0
         self._works: list[dist.Work] = []
 
+    @property
+    def bucket_layers(self) -> list[tuple[int, ...]]:
+        """Each bucket's layers, in issue order."""
+        return [bucket.layers for bucket in self.buckets]
+
     def arm(self) -> None:
-        """The next backward is the stage's last of the step: start buckets as their gradients finish."""
+        """The next gradient action is the stage's last: start buckets as their gradients become final."""
         for bucket in self.buckets:
             bucket.ready = 0
         self._next = 0
@@ -109,11 +124,15 @@ class GradientSync:
             self._works.append(dist.all_reduce(bucket.flat, group=bucket.group, async_op=True))
         self._next += 1
 
-    def flush(self) -> None:
-        """After the last backward: issue the buckets not started yet (parameters without gradient)."""
-        self._armed = False
-        while self._next < len(self.buckets):
+    def reduce(self, bucket: int) -> None:
+        """Issue bucket ``bucket`` (and those before it) if their gradients did not already."""
+        while self._next <= bucket:
             self._issue(self.buckets[self._next])
+
+    def flush(self) -> None:
+        """At the end of the list: issue the buckets not started yet."""
+        self._armed = False
+        self.reduce(len(self.buckets) - 1)
 
     def finish(self, abort: threading.Event) -> None:
         """Wait (abortably) for the all-reduces and write the sums back into ``.grad``."""

@@ -54,7 +54,9 @@ class SavedTensorMeter:
     def _pack(self, t: Tensor) -> _Saved | Tensor:
         if t.untyped_storage().data_ptr() in self._excluded:
             return t
-        return _Saved(t, self, (t.data_ptr(), t.numel() * t.element_size()))
+        # detached: a saved output holding its own grad_fn would keep its graph alive in a reference cycle
+        # that only running the backward without retain_graph breaks
+        return _Saved(t.detach(), self, (t.data_ptr(), t.numel() * t.element_size()))
 
     @staticmethod
     def _unpack(packed: _Saved | Tensor) -> Tensor:

@@ -2,8 +2,8 @@
 
 Layers are materialised one at a time (from the meta device when the model is a factory) and freed after
 their measurement, so a model larger than the device can be profiled. Every layer runs forward and
-backward for real (warm-up, then repetitions; the median is kept),
-timed with CUDA events on a GPU and the wall clock elsewhere. Memory is counted, not estimated:
+backward for real, the backward as the executor splits it (the input's gradient, then the weights':
+``I`` and ``W``, timed apart), warm-up then repetitions (the median is kept), timed with CUDA events on a GPU and the wall clock elsewhere. Memory is counted, not estimated:
 parameter bytes, the bytes of the layer's output (what crosses a stage boundary) and the bytes of the
 tensors autograd saves for the backward (what each in-flight micro-batch keeps alive), found with
 ``saved_tensors_hooks`` (:class:`SavedTensorMeter`). Results are cached on disk under a key of
@@ -24,6 +24,7 @@ import torch
 import torch.utils._pytree as pytree
 from torch import Tensor, nn
 
+from lightning_oobleck.execution.backward import backward_input, backward_weight, splits_backward
 from lightning_oobleck.execution.memory import SavedTensorMeter
 from lightning_oobleck.execution.schedule import Context, LossFn
 from lightning_oobleck.execution.stage import (
@@ -123,6 +124,7 @@ def _cache_key(
         "device": torch.cuda.get_device_name(device) if device.type == "cuda" else device.type,
         "torch": torch.__version__,
         "repetitions": [warmup, repeat],
+        "timed": ["forward", "input gradient", "weight gradient"],
         "loss": None
         if loss_fn is None or example_target is None
         else [getattr(loss_fn, "__qualname__", repr(loss_fn)), _shapes(example_target)],
@@ -146,37 +148,46 @@ def _profile_layer(
     repeat: int,
     loss: Callable[[Any], Tensor] | None,
 ) -> tuple[LayerProfile, Any]:
-    def forward() -> tuple[Any, list[Tensor]]:
+    def forward() -> tuple[Any, list[Tensor], list[Tensor]]:
         inputs = pytree.tree_map(lambda t: t.detach().requires_grad_(t.is_floating_point()), x)
         out = forward_layers([layer], inputs, context)
+        leaves = [t for t in pytree.tree_leaves(inputs) if isinstance(t, Tensor) and t.requires_grad]
         if loss is not None:
-            return out, [loss(out)]
-        return out, [t for t in pytree.tree_leaves(out) if isinstance(t, Tensor) and t.requires_grad]
+            return out, [loss(out)], leaves
+        return out, [t for t in pytree.tree_leaves(out) if isinstance(t, Tensor) and t.requires_grad], leaves
 
-    forward_s, backward_s = [], []
+    params = list(layer.parameters())
+    split, whole = (params, []) if splits_backward(layer) else ([], params)
+    forward_s, input_s, weight_s = [], [], []
     for rep in range(warmup + repeat):
         with SavedTensorMeter(exclude=layer.parameters()) as meter:
-            (out, roots), t_fwd = _timed(forward, device)
+            (out, roots, leaves), t_fwd = _timed(forward, device)
         saved_bytes = meter.live_bytes
-        _, t_bwd = _timed(lambda roots=roots: _backward(roots), device)
+        grads = [torch.ones_like(r) for r in roots]
+        # as the executor splits a stage's backward (a layer with no input gradient: all of it in W)
+        kept, t_in = _timed(
+            lambda roots=roots, grads=grads, leaves=leaves: backward_input(
+                roots, grads, leaves, split, whole
+            ),
+            device,
+        )
+        _, t_weight = _timed(lambda kept=kept: backward_weight(kept), device)
         layer.zero_grad(set_to_none=True)
         if rep >= warmup:
             forward_s.append(t_fwd)
-            backward_s.append(t_bwd)
+            input_s.append(t_in)
+            weight_s.append(t_weight)
     sent = [t for t in pytree.tree_leaves(out) if isinstance(t, Tensor)]
+    weight = statistics.median(weight_s)
     profile = LayerProfile(
         forward_s=statistics.median(forward_s),
-        backward_s=statistics.median(backward_s),
+        backward_s=statistics.median(input_s) + weight,
+        weight_grad_s=weight,
         parameter_bytes=sum(p.numel() * p.element_size() for p in layer.parameters()),
         output_activation_bytes=sum(t.numel() * t.element_size() for t in sent),
         activation_bytes=saved_bytes,
     )
     return profile, pytree.tree_map(lambda t: t.detach() if isinstance(t, Tensor) else t, out)
-
-
-def _backward(roots: list[Tensor]) -> None:
-    if roots:
-        torch.autograd.backward(roots, [torch.ones_like(r) for r in roots])
 
 
 def _timed(fn: Callable[[], T], device: torch.device) -> tuple[T, float]:

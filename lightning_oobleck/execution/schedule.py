@@ -1,30 +1,41 @@
-"""1F1B schedule of one stage of one pipeline, written here rather than with torch.distributed.pipelining.
+"""The executor: runs one worker's action list for a step (:mod:`lightning_oobleck.planning.schedules`).
+
+Any list the validator accepts runs here, whatever schedule made it: ``F`` forwards a micro-batch (its
+input comes from the data on a pipeline's first stage, else from the activation ``RECV`` before it);
+``B`` back-propagates it whole, ``I`` only to its input (:mod:`lightning_oobleck.execution.backward`), ``W``
+then to its parameters; ``SEND`` posts an asynchronous send of an activation (after ``F``) or an input
+gradient (after ``I``/``B``); ``RECV`` takes what a peer sent; ``REDUCE`` issues one gradient bucket's
+all-reduce. The bucketed gradient sync starts during the list's last gradient action: a bucket is issued
+as soon as its parameters' gradients are final (post-accumulate hooks), and its ``REDUCE`` at the latest.
 
 ``torch.distributed.pipelining`` waits on its transfers with a plain blocking ``Work.wait()`` deep inside
-the schedule, so a rank blocked on a live but silent peer could not be interrupted by recovery; it also
-wants a group per pipeline and the same micro-batch count on all of them. Here every pipeline runs its
-own micro-batch count, transfers are point to point on the default group, and every wait goes through
-the generation's :class:`~lightning_oobleck.execution.comm.CommWaiter`.
-
-Stage ``s`` of ``S`` with ``m`` micro-batches runs ``w = min(S - s - 1, m)`` warm-up forwards, then
-``m - w`` (forward, backward) pairs, then ``w`` cool-down backwards; at most ``w + 1`` micro-batches are
-in flight on the stage.
+the schedule, so a rank blocked on a live but silent peer could not be interrupted by recovery; here every
+wait goes through the generation's :class:`~lightning_oobleck.execution.comm.CommWaiter`, and every
+pipeline runs its own micro-batch count.
 """
 
 from __future__ import annotations
 
 import threading
-from collections import deque
-from collections.abc import Callable, Iterator, Mapping, Sequence
+import time
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 from torch import Tensor
 
+from lightning_oobleck.execution.backward import (
+    WeightGradient,
+    backward_input,
+    backward_weight,
+    splits_backward,
+)
 from lightning_oobleck.execution.comm import CommWaiter
+from lightning_oobleck.execution.grad_sync import GradientSync
 from lightning_oobleck.execution.p2p import Inbox, Outbox, TensorMeta, flatten
 from lightning_oobleck.execution.stage import StageModule
+from lightning_oobleck.planning.schedules import GRADIENT_OPS, Action, Op, Payload, Timing, Worker
 
 LossFn = Callable[[Any, Any], Tensor]
 Context = Mapping[str, Any]
@@ -32,30 +43,15 @@ Context = Mapping[str, Any]
 and handed to each layer whose ``forward`` takes a parameter of that name."""
 
 
-def one_f_one_b(num_stages: int, stage: int, microbatches: int) -> Iterator[tuple[str, int]]:
-    """The actions ``("F", i)`` / ``("B", i)`` of ``stage`` in 1F1B order."""
-    warmup = min(num_stages - stage - 1, microbatches)
-    for i in range(warmup):
-        yield "F", i
-    for i in range(microbatches - warmup):
-        yield "F", warmup + i
-        yield "B", i
-    for i in range(microbatches - warmup, microbatches):
-        yield "B", i
-
-
 @dataclass
 class StageContext:
-    """Where a stage sits in its pipeline and how it talks to its neighbours during one step."""
+    """What a worker's executor needs for one generation: its layers, its device, how to reach peers."""
 
     module: StageModule
-    num_stages: int
-    stage: int
-    prev_rank: int | None
-    next_rank: int | None
     device: torch.device
     waiter: CommWaiter
     abort: threading.Event
+    rank_of: Callable[[Worker], int]
 
 
 @dataclass
@@ -71,64 +67,100 @@ class Microbatch:
 @dataclass
 class _InFlight:
     """A forwarded micro-batch awaiting its backward: the input leaves that need a gradient, the output
-    leaves that carry one back (or the loss), and their metadata as sent."""
+    leaves that carry one back (or the loss), their metadata as sent, the gradients received for them,
+    and, between ``I`` and ``W``, what ``W`` needs."""
 
     inputs: list[Tensor]
     outputs: list[Tensor]
     sent: list[TensorMeta]
+    output_grads: list[Tensor] | None = None
+    weight: WeightGradient | None = None
 
 
 class _Step:
-    """The state of one step of one stage: inboxes, outboxes and micro-batches in flight."""
+    """The state of one step of one worker: inboxes, outboxes and micro-batches in flight."""
 
     def __init__(
         self,
         ctx: StageContext,
-        data: Sequence[Microbatch],
+        actions: Sequence[Action],
+        data: Mapping[int, Microbatch],
         loss_fn: LossFn,
         loss_scale: float,
+        train: bool,
     ) -> None:
         self.ctx = ctx
         self.data = data
-        self.microbatches = len(data)
         self.loss_fn = loss_fn
         self.loss_scale = loss_scale
+        self.train = train
         self.loss_sum: Tensor | None = None
-        self.in_flight: deque[_InFlight] = deque()
-        prev, nxt = ctx.prev_rank, ctx.next_rank
+        self.received: dict[tuple[Payload, int], Any] = {}
+        self.in_flight: dict[int, _InFlight] = {}
+        self.to_send: dict[tuple[Payload, int], tuple[list[Tensor], Any, list[bool]]] = {}
+        counts: dict[tuple[Worker, Payload], int] = {}
+        for a in actions:
+            if a.op is Op.RECV:
+                assert a.peer is not None and a.payload is not None
+                counts[(a.peer, a.payload)] = counts.get((a.peer, a.payload), 0) + 1
         args = (ctx.device, ctx.waiter, ctx.abort)
-        self.acts_in = None if prev is None else Inbox(prev, self.microbatches, *args, header=True)
-        self.acts_out = None if nxt is None else Outbox(nxt, *args, header=True)
-        self.grads_out = None if prev is None else Outbox(prev, *args, header=False)
-        self.grads_in = None if nxt is None else Inbox(nxt, self.microbatches, *args, header=False)
+        self.inboxes = {
+            key: Inbox(ctx.rank_of(key[0]), n, *args, header=key[1] is Payload.ACTIVATION)
+            for key, n in counts.items()
+        }
+        self.outboxes: dict[tuple[Worker, Payload], Outbox] = {}
+        for a in actions:
+            if a.op is Op.SEND and (a.peer, a.payload) not in self.outboxes:
+                assert a.peer is not None and a.payload is not None
+                header = a.payload is Payload.ACTIVATION
+                self.outboxes[(a.peer, a.payload)] = Outbox(ctx.rank_of(a.peer), *args, header=header)
+        module = ctx.module
+        self.split = [
+            p
+            for i in module.layer_indices
+            if splits_backward(module.layer(i))
+            for p in module.layer(i).parameters()
+        ]
+        self.whole = [
+            p
+            for i in module.layer_indices
+            if not splits_backward(module.layer(i))
+            for p in module.layer(i).parameters()
+        ]
+        if module.recompute:  # recomputation runs inside the backward: it cannot be split
+            self.split, self.whole = [], self.split + self.whole
 
-    def stage_input(self, i: int, train: bool) -> tuple[Any, list[Tensor]]:
-        """Micro-batch ``i``'s input and its leaves that carry a gradient back to the previous stage."""
-        if self.acts_in is None:
-            return self.data[i].inputs, []
-        x, metas = self.acts_in.get()
-        leaves = flatten(x)[0]
-        wants_grad = [t for t, m in zip(leaves, metas, strict=True) if train and m.requires_grad]
-        for t in wants_grad:
-            t.requires_grad_(True)
-        return x, wants_grad
+    def recv(self, a: Action) -> None:
+        assert a.peer is not None and a.payload is not None
+        inbox = self.inboxes[(a.peer, a.payload)]
+        if a.payload is Payload.ACTIVATION:
+            self.received[(a.payload, a.microbatch)] = inbox.get()
+        else:
+            self.in_flight[a.microbatch].output_grads = inbox.get(self.in_flight[a.microbatch].sent)[0]
 
-    def forward(self, i: int, train: bool) -> None:
-        x, x_grad = self.stage_input(i, train)
-        y = self.ctx.module(x, self.data[i].context)
-        if self.acts_out is None:
-            loss = self.loss_fn(y, self.data[i].targets) * self.loss_scale
+    def forward(self, mb: int, last: bool) -> None:
+        if (Payload.ACTIVATION, mb) in self.received:
+            x, metas = self.received.pop((Payload.ACTIVATION, mb))
+            leaves = flatten(x)[0]
+            x_grad = [t for t, m in zip(leaves, metas, strict=True) if self.train and m.requires_grad]
+            for t in x_grad:
+                t.requires_grad_(True)
+        else:
+            x, x_grad = self.data[mb].inputs, []
+        y = self.ctx.module(x, self.data[mb].context)
+        if last:
+            loss = self.loss_fn(y, self.data[mb].targets) * self.loss_scale
             self.loss_sum = loss.detach() if self.loss_sum is None else self.loss_sum + loss.detach()
             y_grad, sent = [loss], []
         else:
             leaves, spec = flatten(y)
             self._check_sendable(leaves)
-            grads = [train and t.requires_grad for t in leaves]
-            self.acts_out.send(leaves, spec, grads)
+            grads = [self.train and t.requires_grad for t in leaves]
+            self.to_send[(Payload.ACTIVATION, mb)] = (leaves, spec, grads)
             y_grad = [t for t, g in zip(leaves, grads, strict=True) if g]
             sent = [TensorMeta.of(t, False) for t in y_grad]
-        if train:
-            self.in_flight.append(_InFlight(x_grad, y_grad, sent))
+        if self.train:
+            self.in_flight[mb] = _InFlight(x_grad, y_grad, sent)
 
     def _check_sendable(self, leaves: list[Any]) -> None:
         bad = [type(t).__name__ for t in leaves if not isinstance(t, Tensor)]
@@ -141,60 +173,74 @@ class _Step:
                 "batch's context, see PipelineModule.split_batch)"
             )
 
-    def backward(self) -> None:
-        done = self.in_flight.popleft()
-        if self.acts_out is None:
-            torch.autograd.backward(done.outputs)
-        elif done.outputs:
-            assert self.grads_in is not None
-            grads, _ = self.grads_in.get(done.sent)
-            torch.autograd.backward(done.outputs, grads)
-        if self.grads_out is not None and done.inputs:
-            self.grads_out.send([t.grad if t.grad is not None else torch.zeros_like(t) for t in done.inputs])
+    def backward(self, mb: int, op: Op) -> None:
+        """``B`` (whole), ``I`` (to the input) or ``W`` (to the parameters) of micro-batch ``mb``."""
+        state = self.in_flight[mb]
+        if op is Op.W:
+            assert state.weight is not None
+            backward_weight(state.weight)
+            del self.in_flight[mb]
+            return
+        if state.outputs:
+            grads = state.output_grads
+            if op is Op.B:
+                torch.autograd.backward(state.outputs, grads)
+            else:
+                state.weight = backward_input(state.outputs, grads, state.inputs, self.split, self.whole)
+        elif op is Op.I:
+            state.weight = WeightGradient([])
+        if state.inputs:
+            grads_in = [t.grad if t.grad is not None else torch.zeros_like(t) for t in state.inputs]
+            self.to_send[(Payload.GRADIENT, mb)] = (grads_in, None, [])
+        if op is Op.B:
+            del self.in_flight[mb]
+
+    def send(self, a: Action) -> None:
+        assert a.payload is not None
+        leaves, spec, grads = self.to_send.pop((a.payload, a.microbatch), ([], None, []))
+        self.outboxes[(a.peer, a.payload)].send(leaves, spec, grads)  # type: ignore[index]
 
     def wait_sends(self) -> None:
-        for box in (self.acts_out, self.grads_out):
-            if box is not None:
-                box.wait()
+        for box in self.outboxes.values():
+            box.wait()
 
 
-def run_train(
+def run_actions(
     ctx: StageContext,
-    data: Sequence[Microbatch],
+    actions: Sequence[Action],
+    data: Mapping[int, Microbatch],
     loss_fn: LossFn,
     loss_scale: float,
-    before_last_backward: Callable[[], None],
-    after_last_backward: Callable[[], None],
+    sync: GradientSync | None,
+    trace: list[Timing] | None = None,
 ) -> Tensor | None:
-    """Forward and backward every micro-batch in 1F1B order; return the scaled loss sum (last stage).
-
-    The callbacks bracket the stage's last backward: the gradient sync starts inside it, bucket by
-    bucket, and overlaps the rest of it, the earlier stages' backward and this stage's pending sends.
-    """
-    step = _Step(ctx, data, loss_fn, loss_scale)
-    microbatches = len(data)
-    for action, i in one_f_one_b(ctx.num_stages, ctx.stage, microbatches):
-        if action == "F":
-            step.forward(i, train=True)
-        else:
-            if i == microbatches - 1:
-                before_last_backward()
-            step.backward()
-    after_last_backward()
-    step.wait_sends()
-    return step.loss_sum
-
-
-def run_eval(
-    ctx: StageContext,
-    data: Sequence[Microbatch],
-    loss_fn: LossFn,
-    loss_scale: float,
-) -> Tensor | None:
-    """Forward every micro-batch without autograd; return the scaled loss sum (last stage)."""
-    step = _Step(ctx, data, loss_fn, loss_scale)
-    with torch.no_grad():
-        for i in range(len(data)):
-            step.forward(i, train=False)
+    """Run ``actions`` (a validated list) over ``data`` (by global micro-batch index); return the scaled loss
+    sum (last stage). With ``sync`` it is a training step, else a forward-only one without autograd.
+    ``trace``: append every action's start and end (``time.perf_counter``)."""
+    train = sync is not None
+    last_stage = not any(a.op is Op.SEND and a.payload is Payload.ACTIVATION for a in actions)
+    last_gradient = max((k for k, a in enumerate(actions) if a.op in GRADIENT_OPS), default=-1)
+    step = _Step(ctx, actions, data, loss_fn, loss_scale, train)
+    with torch.set_grad_enabled(train):
+        for k, a in enumerate(actions):
+            start = time.perf_counter() if trace is not None else 0.0
+            if k == last_gradient:
+                assert sync is not None
+                sync.arm()
+            if a.op is Op.F:
+                step.forward(a.microbatch, last_stage)
+            elif a.op in (Op.B, Op.I, Op.W):
+                step.backward(a.microbatch, a.op)
+            elif a.op is Op.RECV:
+                step.recv(a)
+            elif a.op is Op.SEND:
+                step.send(a)
+            else:
+                assert sync is not None
+                sync.reduce(a.bucket)
+            if trace is not None:
+                trace.append(Timing(a, start, time.perf_counter()))
+    if sync is not None:
+        sync.flush()
     step.wait_sends()
     return step.loss_sum

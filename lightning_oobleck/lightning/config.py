@@ -13,6 +13,7 @@ from typing import Any, Literal
 
 from omegaconf import DictConfig, OmegaConf
 
+from lightning_oobleck.planning.schedules import SCHEDULE_NAMES
 from lightning_oobleck.recovery.runtime import JoinPolicy
 
 StartMethod = Literal["forkserver", "spawn", "fork"]
@@ -78,6 +79,10 @@ class OobleckConfig:
     ``layout``, ``True`` or ``False``."""
     microbatches: list[int] | None = None
     """With ``layout``: micro-batches per pipeline (default: as even as possible)."""
+    schedule: str = "1f1b"
+    """The pipeline schedule: ``1f1b``, or ``zb-h1`` (zero bubble: each backward split into the input's
+    gradient, sent upstream at once, and the weights', run later in what would be bubbles; shorter steps at
+    1F1B's peak activation memory). The planner plans for it; a ``plan_path`` must have been made for it."""
     join_policy: str = "at_once"
     """When nodes that come back (or spares) join the running training: ``at_once`` (at the next step
     boundary), ``whole_template`` (once they form a pipeline of their own) or ``hot_standby`` (only to
@@ -124,6 +129,8 @@ class OobleckConfig:
                 "activation_checkpointing='auto' lets the planner choose where to recompute; with a fixed "
                 "layout or plan_path give true or false (a plan_path's stages say it themselves)"
             )
+        if self.schedule not in SCHEDULE_NAMES:
+            raise ValueError(f"schedule must be one of {', '.join(SCHEDULE_NAMES)}, got {self.schedule!r}")
         if self.join_policy not in JOIN_POLICIES:
             raise ValueError(
                 f"join_policy must be one of {', '.join(JOIN_POLICIES)}, got {self.join_policy!r}"

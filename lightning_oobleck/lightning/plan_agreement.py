@@ -16,7 +16,14 @@ from lightning_oobleck.planning.plan import Pipeline, PipelineTemplate, Plan, St
 def configured_plan(config: OobleckConfig, num_layers: int, num_workers: int) -> Plan | None:
     """The plan fixed by ``plan_path`` or ``layout``, or ``None`` when the planner must choose."""
     if config.plan_path is not None:
-        return Plan.load(config.plan_path)
+        plan = Plan.load(config.plan_path)
+        if plan.schedule != config.schedule:
+            raise ValueError(
+                f"the plan {config.plan_path} was made for the {plan.schedule!r} schedule but the strategy "
+                f"asks for schedule={config.schedule!r}: set schedule={plan.schedule!r}, or make the plan "
+                f"with `oobleck plan --schedule {config.schedule}`"
+            )
+        return plan
     if config.layout is not None:
         return layout_plan(config, num_layers, num_workers)
     return None
@@ -82,6 +89,7 @@ def layout_plan(config: OobleckConfig, num_layers: int, num_workers: int) -> Pla
         global_batch_size=config.global_batch_size,
         templates=tuple({p.template.num_nodes: p.template for p in pipelines}.values()),
         pipelines=tuple(pipelines),
+        schedule=config.schedule,
     )
 
 

@@ -418,6 +418,7 @@ class OobleckStrategy(ParallelStrategy, PipelineExecutor):
             global_batch_size=cfg.global_batch_size,
             microbatch_size=cfg.microbatch_size,
             activation_checkpointing=cfg.activation_checkpointing,
+            schedule=cfg.schedule,
             **options,
         )
 

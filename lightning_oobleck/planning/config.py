@@ -42,6 +42,8 @@ class PlannerConfig:
     """Evaluate every template multiset when there are at most this many (exact instantiation)."""
     activation_checkpointing: Any = False
     """Activation recomputation: false, true (every stage) or auto (only where a split would not fit)."""
+    schedule: str = "1f1b"
+    """The pipeline schedule the plan runs: 1f1b or zb-h1."""
 
     def validate(self) -> None:
         self.cluster.validate()

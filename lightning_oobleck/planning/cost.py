@@ -12,10 +12,18 @@ micro-batches in::
 the first micro-batch crosses every stage once (pipeline fill and drain), every further one adds the
 slowest stage's time (steady state). This is :meth:`PipelineTemplate.iteration_time_s`.
 
+Other schedules (``schedule="zb-h1"``). Their iteration time is the event simulation of their action
+lists (:func:`lightning_oobleck.planning.schedules.simulate`) with each stage's forward, input-gradient and
+weight-gradient times from the profile, and the transfers as link delays (:meth:`simulated_time_s`). The
+planner keeps the linear form ``T(m) = a + (m - 1) * max_s t_s`` for instantiation and batch distribution,
+with ``a`` fitted to the simulation at ``m = max(S, m_template)`` (:meth:`schedule_fill_s`): exact in the
+steady state, where a pipeline of ``S`` stages runs ``m >= S`` micro-batches.
+
 Memory of stage ``s`` of ``S``: ``(parameter bytes) * state_factor`` for parameters, gradients and
-optimizer state, plus the activations of the ``min(S - s, m)`` micro-batches 1F1B keeps in flight on
-that stage (stage 0 holds the most). Templates are checked with ``m >= S`` (the worst case), so they
-stay feasible whatever batch they are given later.
+optimizer state, plus the activations of the micro-batches the schedule keeps in flight on that stage
+(:func:`~lightning_oobleck.planning.schedules.in_flight_limit`: ``min(S - s, m)`` for 1F1B, where stage 0
+holds the most; ``min(S, m)`` on every stage for ZB-H1). Templates are checked with ``m >= S`` (the worst
+case), so they stay feasible whatever batch they are given later.
 
 Activation recomputation (``activation_checkpointing``): a recomputing stage keeps, per in-flight
 micro-batch, only each layer's input (the output of the layer before it; the pipeline's own input is not
@@ -43,6 +51,17 @@ from numpy.typing import ArrayLike
 from lightning_oobleck.planning.cluster import ClusterSpec
 from lightning_oobleck.planning.plan import PipelineTemplate
 from lightning_oobleck.planning.profile import ModelProfile
+from lightning_oobleck.planning.schedules import (
+    Action,
+    Op,
+    PipelineSpec,
+    Worker,
+    check_schedule_name,
+    in_flight_limit,
+    iteration_time_s,
+    pipeline_actions,
+    simulate,
+)
 
 
 def default_state_factor(dtype: str) -> float:
@@ -76,7 +95,14 @@ class CostModel:
         cluster: ClusterSpec,
         state_factor: float | None = None,
         activation_checkpointing: ActivationCheckpointing = False,
+        schedule: str = "1f1b",
     ) -> None:
+        self.schedule = check_schedule_name(schedule)
+        if schedule != "1f1b" and any(layer.weight_grad_s is None for layer in profile.layers):
+            raise ValueError(
+                f"the {schedule!r} schedule splits the backward, but the profile has no weight-gradient "
+                "times (it was measured before the profiler timed them): profile the model again"
+            )
         if activation_checkpointing not in (False, True, "auto"):
             raise ValueError(
                 f"activation_checkpointing must be false, true or 'auto', got {activation_checkpointing!r}"
@@ -95,6 +121,8 @@ class CostModel:
         self._activations = prefix([la.activation_bytes for la in layers])
         self._outputs = np.asarray([la.output_activation_bytes for la in layers], dtype=np.float64)
         self._forward = prefix([la.forward_s for la in layers])
+        self._backward = prefix([la.backward_s for la in layers])
+        self._weight = prefix([la.weight_grad_s or 0.0 for la in layers])
         # the input each layer keeps when recomputing: the output of the layer before it
         self._inputs = prefix([0.0] + [la.output_activation_bytes for la in layers[:-1]])
         self._saved = np.asarray([la.activation_bytes for la in layers], dtype=np.float64)
@@ -141,7 +169,7 @@ class CostModel:
         self, first: int, end: int, stage: int, num_stages: int, microbatches: int | None = None
     ) -> float:
         """Peak memory of stage ``stage`` of ``num_stages``; ``microbatches=None`` means ``m >= S``."""
-        in_flight = num_stages - stage if microbatches is None else min(num_stages - stage, microbatches)
+        in_flight = in_flight_limit(self.schedule, num_stages, stage, microbatches or num_stages)
         activations = self._activations[end] - self._activations[first]
         return float(self.parameter_bytes(first, end) * self.state_factor + activations * in_flight)
 
@@ -150,6 +178,54 @@ class CostModel:
         """1F1B iteration time ``sum_s t_s + (m - 1) max_s t_s`` (see the module docstring)."""
         t = np.asarray(stage_times, dtype=np.float64)
         return float(t.sum() + (microbatches - 1) * t.max()) if microbatches > 0 else 0.0
+
+    def stage_phases_s(
+        self, first: int, end: int, stage: int, recompute: bool = False
+    ) -> tuple[float, float, float]:
+        """``(F, I, W)`` of a stage holding ``[first, end)`` for one micro-batch, as the executor splits them:
+        a pipeline's first stage has no input gradient (its ``W`` is the whole backward), a recomputing
+        stage does not split (its ``I`` is the whole backward, forward included)."""
+        forward = float(self._forward[end] - self._forward[first])
+        backward = float(self._backward[end] - self._backward[first]) + (forward if recompute else 0.0)
+        weight = float(self._weight[end] - self._weight[first])
+        if stage == 0:
+            return forward, 0.0, backward
+        if recompute:
+            return forward, backward, 0.0
+        return forward, backward - weight, weight
+
+    def simulated_time_s(
+        self, template: PipelineTemplate, microbatches: int, schedule: str | None = None
+    ) -> float:
+        """The iteration time of one pipeline of ``template`` running ``microbatches`` micro-batches under
+        ``schedule`` (default: the model's), by event simulation of its action lists."""
+        stages = template.stages
+        workers: tuple[Worker, ...] = tuple((s, 0) for s in range(len(stages)))
+        spec = PipelineSpec(workers, tuple(tuple(s.layers) for s in stages), tuple(range(microbatches)))
+        phases = [
+            self.stage_phases_s(s.first_layer, s.end_layer, k, s.recompute) for k, s in enumerate(stages)
+        ]
+        g = self.cluster.gpus_per_node
+
+        def duration(worker: Worker, action: Action) -> float:
+            f, i, w = phases[worker[0]]
+            return {Op.F: f, Op.I: i, Op.W: w, Op.B: i + w}[action.op]
+
+        def transfer(sender: Worker, receiver: Worker, action: Action) -> float:
+            low = min(sender[0], receiver[0])  # the boundary after stage ``low``
+            nbytes = self._outputs[stages[low].end_layer - 1]
+            return self.p2p_s(nbytes, same_node=(low + 1) % g != 0)
+
+        actions = pipeline_actions(spec, schedule or self.schedule)
+        return iteration_time_s(simulate(actions, duration, transfer))
+
+    def schedule_fill_s(self, template: PipelineTemplate) -> float | None:
+        """The fill time ``a`` of ``template`` under the model's schedule (``None`` for 1F1B, whose ``a`` is
+        the sum of the stage times): fitted to the simulation at ``m = max(S, template.microbatches)``."""
+        if self.schedule == "1f1b":
+            return None
+        m = max(len(template.stages), template.microbatches)
+        return self.simulated_time_s(template, m) - (m - 1) * max(template.stage_times_s)
 
     def allreduce_s(self, nbytes: ArrayLike, replicas: ArrayLike) -> np.ndarray:
         """Ring all-reduce of ``nbytes`` across ``replicas`` pipelines (0 for a single replica)."""
@@ -222,12 +298,15 @@ class CostModel:
         peak = np.zeros((n, n))  # the saved tensors of the largest layer of [i, j), alive while recomputed
         for i in range(n - 1):
             peak[i, i + 1 :] = np.maximum.accumulate(self._saved[i:])
-        in_flight = (num_stages - np.arange(num_stages))[:, None, None]
-        return params[None] * self.state_factor + inputs[None] * in_flight + peak[None]
+        return params[None] * self.state_factor + inputs[None] * self._in_flight(num_stages) + peak[None]
 
     def stage_memory_matrices(self, num_stages: int) -> np.ndarray:
         """``M[s, i, j]`` = :meth:`stage_memory_bytes` of ``[i, j)`` as stage ``s`` with ``m >= S``."""
         params = self._params[None, :] - self._params[:, None]
         acts = self._activations[None, :] - self._activations[:, None]
-        in_flight = (num_stages - np.arange(num_stages))[:, None, None]
-        return params[None] * self.state_factor + acts[None] * in_flight
+        return params[None] * self.state_factor + acts[None] * self._in_flight(num_stages)
+
+    def _in_flight(self, num_stages: int) -> np.ndarray:
+        """Micro-batches in flight on each stage with ``m >= S``, shaped to broadcast over ``[s, i, j]``."""
+        limits = [in_flight_limit(self.schedule, num_stages, s, num_stages) for s in range(num_stages)]
+        return np.asarray(limits, dtype=np.float64)[:, None, None]

@@ -59,6 +59,9 @@ class PipelineTemplate:
     stage_memory_bytes: tuple[float, ...] = ()
     microbatches: int = 0
     """The micro-batch count the split was optimised for (0: unknown)."""
+    schedule_fill_s: float | None = None
+    """The fill time :attr:`fill_s` under a schedule other than 1F1B, fitted by the planner to the event
+    simulation of that schedule's action lists (``None``: 1F1B)."""
 
     def __post_init__(self) -> None:
         if len(self.stage_times_s) != len(self.stages):
@@ -68,15 +71,20 @@ class PipelineTemplate:
     def num_layers(self) -> int:
         return self.stages[-1].end_layer
 
-    def iteration_time_s(self, microbatches: int) -> float:
-        """1F1B iteration time for ``microbatches`` micro-batches.
+    @property
+    def fill_s(self) -> float:
+        """``a`` in ``T(m) = a + (m - 1) * max_s t_s``: under 1F1B the sum of the stage times."""
+        return sum(self.stage_times_s) if self.schedule_fill_s is None else self.schedule_fill_s
 
-        ``T(m) = sum_s t_s + (m - 1) * max_s t_s``: the first micro-batch crosses every stage once
-        (fill and drain), every further one costs the slowest stage's time (steady state).
+    def iteration_time_s(self, microbatches: int) -> float:
+        """Iteration time for ``microbatches`` micro-batches.
+
+        ``T(m) = a + (m - 1) * max_s t_s``: the first micro-batch crosses every stage once (fill and
+        drain, ``a`` = :attr:`fill_s`), every further one costs the slowest stage's time (steady state).
         """
         if microbatches <= 0:
             return 0.0
-        return sum(self.stage_times_s) + (microbatches - 1) * max(self.stage_times_s)
+        return self.fill_s + (microbatches - 1) * max(self.stage_times_s)
 
 
 @dataclass(frozen=True)
@@ -149,6 +157,8 @@ class Plan:
     tied_layers: tuple[tuple[int, ...], ...] = ()
     """The model's tied parameters, each as the layers that share it: a tie's gradient is summed over
     every worker holding any of them (:meth:`tie_owners`)."""
+    schedule: str = "1f1b"
+    """The pipeline schedule every pipeline runs (:data:`~lightning_oobleck.planning.schedules.SCHEDULES`)."""
 
     # ------------------------------------------------------------------ derived views
     @property
@@ -218,6 +228,7 @@ class Plan:
             "iteration_time_s": self.iteration_time_s,
             "planning_s": self.planning_s,
             "warnings": list(self.warnings),
+            "schedule": self.schedule,
             **({"tied_layers": [list(t) for t in self.tied_layers]} if self.tied_layers else {}),
             **({"extra": self.extra} if self.extra else {}),
         }
@@ -249,6 +260,7 @@ class Plan:
             warnings=tuple(str(w) for w in d.get("warnings", ())),
             extra=dict(d.get("extra", {})),
             tied_layers=tuple(tuple(int(i) for i in t) for t in d.get("tied_layers", ())),
+            schedule=str(d.get("schedule", "1f1b")),
         )
 
     def to_json(self) -> str:
@@ -281,6 +293,7 @@ def _template_to_dict(t: PipelineTemplate) -> dict[str, Any]:
         "stage_memory_bytes": list(t.stage_memory_bytes),
         "microbatches": t.microbatches,
         "iteration_time_s": t.iteration_time_s(t.microbatches or len(t.stages)),
+        **({"schedule_fill_s": t.schedule_fill_s} if t.schedule_fill_s is not None else {}),
     }
 
 
@@ -302,4 +315,5 @@ def _template_from_dict(d: dict[str, Any], gpus_per_node: int) -> PipelineTempla
         stage_times_s=tuple(float(x) for x in d["stage_times_s"]),
         stage_memory_bytes=tuple(float(x) for x in d.get("stage_memory_bytes", ())),
         microbatches=int(d.get("microbatches", 0)),
+        schedule_fill_s=None if d.get("schedule_fill_s") is None else float(d["schedule_fill_s"]),
     )

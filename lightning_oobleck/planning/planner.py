@@ -38,9 +38,12 @@ class PlannerInputs:
     state_factor: float | None = None
     exact_limit: int = 20_000
     activation_checkpointing: ActivationCheckpointing = False
+    schedule: str = "1f1b"
 
     def cost(self) -> CostModel:
-        return CostModel(self.profile, self.cluster, self.state_factor, self.activation_checkpointing)
+        return CostModel(
+            self.profile, self.cluster, self.state_factor, self.activation_checkpointing, self.schedule
+        )
 
     def to_extra(self, next_node_id: int) -> dict[str, Any]:
         return {
@@ -50,6 +53,7 @@ class PlannerInputs:
             "state_factor": self.state_factor,
             "exact_limit": self.exact_limit,
             "activation_checkpointing": self.activation_checkpointing,
+            "schedule": self.schedule,
             "next_node_id": next_node_id,
         }
 
@@ -64,6 +68,7 @@ class PlannerInputs:
                 state_factor=e.get("state_factor"),
                 exact_limit=int(e.get("exact_limit", 20_000)),
                 activation_checkpointing=e.get("activation_checkpointing", False),
+                schedule=str(e.get("schedule", "1f1b")),
             )
         except (KeyError, TypeError) as err:
             raise PlanningError(
@@ -84,12 +89,14 @@ def make_plan(
     state_factor: float | None = None,
     exact_limit: int = 20_000,
     activation_checkpointing: ActivationCheckpointing = False,
+    schedule: str = "1f1b",
 ) -> Plan:
     """The fastest plan that uses every node of the cluster in at least ``f + 1`` pipelines.
 
     ``cluster`` describes the nodes; ``num_nodes`` / ``gpus_per_node`` override its counts (or build a
     default :class:`ClusterSpec` when ``cluster`` is None). ``microbatch_size`` defaults to the one
-    the profile was measured for and must match it.
+    the profile was measured for and must match it. ``schedule``: the pipeline schedule the plan runs
+    (``"1f1b"`` or ``"zb-h1"``); templates, instantiation and batch distribution are chosen for it.
     """
     started = time.perf_counter()
     cluster = cluster or ClusterSpec()
@@ -113,9 +120,12 @@ def make_plan(
             f"needs: raise the global batch to at least {(fault_tolerance + 1) * microbatch}"
         )
     inputs = PlannerInputs(
-        profile, cluster, fault_tolerance, state_factor, exact_limit, activation_checkpointing
+        profile, cluster, fault_tolerance, state_factor, exact_limit, activation_checkpointing, schedule
     )
-    cost = inputs.cost()
+    try:
+        cost = inputs.cost()
+    except ValueError as err:
+        raise PlanningError(str(err)) from err
     n0 = min_nodes(cost)
     nodes = cluster.num_nodes
     if nodes < (fault_tolerance + 1) * n0:
@@ -181,4 +191,5 @@ def assemble_plan(
         planning_s=time.perf_counter() - started,
         warnings=tuple(warnings),
         extra=inputs.to_extra(next_node_id),
+        schedule=inputs.schedule,
     )

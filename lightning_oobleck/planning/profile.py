@@ -28,6 +28,9 @@ class LayerProfile:
     """Bytes of the layer's output for one micro-batch: what crosses a stage boundary after it."""
     activation_bytes: int
     """Memory the layer keeps alive per in-flight micro-batch (saved tensors for its backward)."""
+    weight_grad_s: float | None = None
+    """The part of ``backward_s`` that computes the parameters' gradients (``W`` of a split backward; the
+    rest is ``I``, the input's gradient). ``None`` in profiles measured before the split was profiled."""
 
 
 @dataclass(frozen=True)
@@ -101,7 +104,8 @@ def synthetic_gpt_profile(
     vocabulary and ``e`` the dtype's bytes:
 
     * block forward FLOPs ``24 b s h^2 + 4 b s^2 h`` (QKV, projection, 4h MLP, attention scores);
-      backward is twice the forward; times are FLOPs / ``device_flops`` (achieved FLOP/s);
+      backward is twice the forward, half of it the weights' gradients (as many FLOPs as the input's
+      for a matrix product); times are FLOPs / ``device_flops`` (achieved FLOP/s);
     * block parameters ``12 h^2 + 13 h`` elements;
     * block activation memory per in-flight micro-batch ``s b h (34 + 5 a s / h) * e / 2`` bytes
       (Korthikanti et al., no recomputation);
@@ -128,6 +132,7 @@ def synthetic_gpt_profile(
         parameter_bytes=(12 * h * h + 13 * h) * e,
         output_activation_bytes=tokens_out,
         activation_bytes=int(s * b * h * (34 + 5 * a * s / h) * e / 2),
+        weight_grad_s=block_flops / device_flops,
     )
     embedding_flops = 2 * b * s * h
     embedding = LayerProfile(
@@ -136,6 +141,7 @@ def synthetic_gpt_profile(
         parameter_bytes=(v + s) * h * e,
         output_activation_bytes=tokens_out,
         activation_bytes=tokens_out,
+        weight_grad_s=2 * embedding_flops / device_flops,
     )
     head_flops = 2 * b * s * h * v
     head = LayerProfile(
@@ -144,6 +150,7 @@ def synthetic_gpt_profile(
         parameter_bytes=(h * v + 2 * h) * e,
         output_activation_bytes=4,
         activation_bytes=b * s * v * 4 + tokens_out,
+        weight_grad_s=head_flops / device_flops,
     )
     return ModelProfile(
         layers=(embedding, *([block] * (num_layers - 2)), head),

@@ -22,6 +22,7 @@ exhaustive enumeration of all splits.
 from __future__ import annotations
 
 from collections.abc import Iterable
+from dataclasses import replace
 
 import numpy as np
 
@@ -156,7 +157,7 @@ def generate_template(cost: CostModel, num_nodes: int, microbatches: int) -> Pip
         Stage(i, j, node=s // g, device=s % g, recompute=bool(recompute[s, i, j]))
         for s, (i, j) in enumerate(ranges)
     )
-    return PipelineTemplate(
+    template = PipelineTemplate(
         num_nodes=num_nodes,
         gpus_per_node=g,
         stages=stages,
@@ -164,6 +165,7 @@ def generate_template(cost: CostModel, num_nodes: int, microbatches: int) -> Pip
         stage_memory_bytes=tuple(float(memory[s, i, j]) for s, (i, j) in enumerate(ranges)),
         microbatches=microbatches,
     )
+    return replace(template, schedule_fill_s=cost.schedule_fill_s(template))
 
 
 def is_feasible(cost: CostModel, num_nodes: int) -> bool:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import signal
 from collections.abc import Iterator
 
@@ -14,6 +15,7 @@ from lightning_oobleck.execution import profile_layers
 from lightning_oobleck.execution.grad_sync import DEFAULT_BUCKET_CAP_BYTES
 from lightning_oobleck.planning.plan import Plan, WorkerRole
 from lightning_oobleck.planning.profile import ModelProfile
+from lightning_oobleck.planning.schedules import SCHEDULE_NAMES, in_flight_limit
 
 STEPS = 3
 MICROBATCH = 2
@@ -59,9 +61,9 @@ def profile() -> ModelProfile:
 
 
 def predicted_activation_bytes(profile: ModelProfile, plan: Plan, role: WorkerRole) -> int:
-    """Activations of the stage's layers times the micro-batches 1F1B keeps in flight on it."""
+    """Activations of the stage's layers times the micro-batches the schedule keeps in flight on it."""
     pipeline = plan.pipelines[role.pipeline]
-    in_flight = min(len(pipeline.stages) - role.stage, pipeline.microbatches)
+    in_flight = in_flight_limit(plan.schedule, len(pipeline.stages), role.stage, pipeline.microbatches)
     return in_flight * sum(profile.layers[i].activation_bytes for i in role.layers)
 
 
@@ -72,15 +74,20 @@ def run_layout(pool: WorkerPool, plan: Plan, generation: int, bucket_cap_bytes: 
 
 
 @pytest.mark.timeout(240)
+@pytest.mark.parametrize("schedule", SCHEDULE_NAMES)
 def test_every_layout_equals_single_process_training(
-    pool: WorkerPool, reference: dict, profile: ModelProfile
+    pool: WorkerPool, reference: dict, profile: ModelProfile, schedule: str
 ) -> None:
-    """All layouts, one generation each in the same processes: weights, losses, norms, samples.
+    """All layouts, one generation each in the same processes, under each schedule: weights, losses,
+    norms, samples.
 
-    Also: each stage's peak saved-activation memory is exactly what the profile predicts for 1F1B
-    (the layers' activation bytes times the micro-batches in flight, ``min(S - s, m)``).
+    Also: each stage's peak saved-activation memory is exactly what the profile predicts for the schedule
+    (the layers' activation bytes times the micro-batches in flight: ``min(S - s, m)`` for 1F1B,
+    ``min(S, m)`` for ZB-H1, whose I keeps the graph for the W).
     """
-    for generation, (name, plan) in enumerate(LAYOUTS.items()):
+    offset = SCHEDULE_NAMES.index(schedule) * len(LAYOUTS)
+    for generation, (name, layout) in enumerate(LAYOUTS.items(), start=offset):
+        plan = dataclasses.replace(layout, schedule=schedule)
         # odd generations: 4 KiB buckets, so a stage syncs in several buckets issued during its backward
         results = run_layout(pool, plan, generation, 4096 if generation % 2 else DEFAULT_BUCKET_CAP_BYTES)
         assert {r["generation"] for r in results.values()} == {generation}, name

@@ -1,0 +1,394 @@
+"""Pipeline schedules as data: one action list per worker and step, a validator and an event simulation.
+
+A schedule is, for every worker, the ordered list of what it does in one training step: compute
+(``F`` forward, ``I`` input gradient, ``W`` weight gradients, ``B`` = ``I`` + ``W``), point-to-point
+transfers (``SEND``/``RECV`` of an activation or a gradient to or from another worker) and the gradient
+sync (``REDUCE`` of one bucket). One executor (:mod:`lightning_oobleck.execution.schedule`) runs any list
+that :func:`validate` accepts; the generators here (:data:`SCHEDULES`) are the only place a schedule's
+shape is written, and :func:`simulate` times the same lists for the planner.
+
+Identities: workers are ``(node, device)`` as in the plan; a micro-batch is named by its *global* index in
+the step (``Plan.microbatch_range``) and every compute action names the layers it runs, so a list can
+describe a micro-batch crossing pipelines, or a device running part of its layers for another pipeline.
+
+Transfers. A ``SEND`` posts an asynchronous send and never blocks; a ``RECV`` is where the data is taken
+(it blocks until it has arrived). The executor posts an activation's receive *ahead*: the first at the
+start of the step, each next one as soon as the one before it has arrived (its buffer is shaped like
+it, see :mod:`lightning_oobleck.execution.p2p`); a gradient's receive is posted where it is taken. With
+NCCL the transfers between two ranks run one after another in the order they were posted, so both
+sides of every pair must post them in the same order; :func:`validate` checks that order, computed
+with the rule above, which makes the lists deadlock-free with gloo and NCCL alike.
+
+1F1B and ZB-H1 (Qi et al., "Zero Bubble Pipeline Parallelism", ICLR'24). Stage ``s`` of ``S`` with ``m``
+micro-batches runs ``w = min(S - s - 1, m)`` warm-up forwards, then one forward and one backward per
+micro-batch, then the ``w`` cool-down backwards. ZB-H1 splits each backward into ``I`` (sent upstream at
+once) and ``W``, and defers ``s`` of the ``W`` to the end of the step, where stage ``s`` would otherwise
+wait for the stages before it: with ``F = I = W`` its bubble is ``(S - 1)`` time units against 1F1B's
+``3 (S - 1)``, at most ``min(S, m)`` micro-batches in flight on any stage, 1F1B's peak (stage 0).
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from enum import Enum
+
+Worker = tuple[int, int]
+"""A ``(node, device)`` worker, as in :class:`~lightning_oobleck.planning.plan.Plan`."""
+
+SCHEDULE_NAMES = ("1f1b", "zb-h1")
+"""The schedules a plan may name."""
+
+
+class Op(str, Enum):
+    F = "F"
+    I = "I"  # noqa: E741 (the paper's name)
+    W = "W"
+    B = "B"
+    SEND = "SEND"
+    RECV = "RECV"
+    REDUCE = "REDUCE"
+
+
+COMPUTE = (Op.F, Op.I, Op.W, Op.B)
+GRADIENT_OPS = (Op.B, Op.W)
+"""The actions after which a micro-batch's parameter gradients are complete."""
+
+
+class Payload(str, Enum):
+    ACTIVATION = "activation"
+    GRADIENT = "gradient"
+
+
+@dataclass(frozen=True)
+class Action:
+    """One thing one worker does in a step.
+
+    ``microbatch``: the global micro-batch index (compute and transfers). ``layers``: the layers a compute
+    action runs, or a bucket's layers. ``peer``: the other worker of a transfer. ``bucket``: the index of
+    a gradient bucket in the worker's issue order (``REDUCE``).
+    """
+
+    op: Op
+    microbatch: int = -1
+    layers: tuple[int, ...] = ()
+    peer: Worker | None = None
+    payload: Payload | None = None
+    bucket: int = -1
+
+    def __str__(self) -> str:
+        if self.op in COMPUTE:
+            return f"{self.op.value}(micro-batch {self.microbatch})"
+        if self.op is Op.REDUCE:
+            return f"REDUCE(bucket {self.bucket}, layers {list(self.layers)})"
+        assert self.payload is not None
+        arrow = "to" if self.op is Op.SEND else "from"
+        return f"{self.op.value}({self.payload.value} of micro-batch {self.microbatch} {arrow} {self.peer})"
+
+
+Schedule = dict[Worker, list[Action]]
+"""The action lists of one step, by worker."""
+
+
+class ScheduleError(ValueError):
+    """An action list that cannot run: the message names the worker and the action."""
+
+
+# ---------------------------------------------------------------------------------------------- generators
+
+
+@dataclass(frozen=True)
+class PipelineSpec:
+    """What a generator needs of one pipeline: its workers and layers stage by stage, and the global
+    indices of the micro-batches it runs."""
+
+    workers: tuple[Worker, ...]
+    layers: tuple[tuple[int, ...], ...]
+    microbatches: tuple[int, ...]
+
+
+Generator = Callable[[int, int, int], list[tuple[Op, int]]]
+"""``(num_stages, stage, microbatches)`` -> the stage's compute order, as ``(op, local micro-batch)``."""
+
+
+def one_f_one_b_order(num_stages: int, stage: int, microbatches: int) -> list[tuple[Op, int]]:
+    """1F1B: warm-up forwards, one forward and one whole backward per micro-batch, cool-down backwards."""
+    warmup = min(num_stages - stage - 1, microbatches)
+    order = [(Op.F, i) for i in range(warmup)]
+    for i in range(microbatches - warmup):
+        order += [(Op.F, warmup + i), (Op.B, i)]
+    return order + [(Op.B, i) for i in range(microbatches - warmup, microbatches)]
+
+
+def zb_h1_order(num_stages: int, stage: int, microbatches: int) -> list[tuple[Op, int]]:
+    """ZB-H1: 1F1B's order with every backward split into ``I`` and ``W``, and ``stage`` of the ``W``
+    deferred into the end of the step."""
+    order = []
+    weights = 0
+    for op, i in one_f_one_b_order(num_stages, stage, microbatches):
+        if op is Op.F:
+            order.append((Op.F, i))
+            continue
+        order.append((Op.I, i))
+        if i >= stage:
+            order.append((Op.W, weights))
+            weights += 1
+    return order + [(Op.W, i) for i in range(weights, microbatches)]
+
+
+SCHEDULES: dict[str, Generator] = {"1f1b": one_f_one_b_order, "zb-h1": zb_h1_order}
+
+
+def check_schedule_name(name: str) -> str:
+    if name not in SCHEDULES:
+        raise ValueError(f"unknown pipeline schedule {name!r}: choose one of {list(SCHEDULE_NAMES)}")
+    return name
+
+
+def in_flight_limit(schedule: str, num_stages: int, stage: int, microbatches: int) -> int:
+    """Micro-batches a stage holds activations for at most (forwarded, weight gradients not yet done)."""
+    if check_schedule_name(schedule) == "zb-h1":
+        return min(num_stages, microbatches)
+    return min(num_stages - stage, microbatches)
+
+
+def pipeline_actions(
+    spec: PipelineSpec,
+    schedule: str,
+    buckets: Mapping[Worker, Sequence[tuple[int, ...]]] | None = None,
+    train: bool = True,
+) -> Schedule:
+    """The action lists of one pipeline's workers for one step.
+
+    ``buckets[worker]``: the layers of each of its gradient buckets, in issue order (default: one bucket
+    of all its layers); their ``REDUCE`` follow the stage's last gradient action. Without ``train``, every
+    stage only forwards (evaluation).
+    """
+    generator = SCHEDULES[check_schedule_name(schedule)]
+    num_stages, m = len(spec.workers), len(spec.microbatches)
+    out: Schedule = {}
+    for s, worker in enumerate(spec.workers):
+        prev = spec.workers[s - 1] if s > 0 else None
+        nxt = spec.workers[s + 1] if s < num_stages - 1 else None
+        layers = spec.layers[s]
+        order = generator(num_stages, s, m) if train else [(Op.F, i) for i in range(m)]
+        actions: list[Action] = []
+        for op, i in order:
+            mb = spec.microbatches[i]
+            if op is Op.F and prev is not None:
+                actions.append(Action(Op.RECV, mb, peer=prev, payload=Payload.ACTIVATION))
+            if op in (Op.I, Op.B) and nxt is not None:
+                actions.append(Action(Op.RECV, mb, peer=nxt, payload=Payload.GRADIENT))
+            actions.append(Action(op, mb, layers))
+            if op is Op.F and nxt is not None:
+                actions.append(Action(Op.SEND, mb, peer=nxt, payload=Payload.ACTIVATION))
+            if op in (Op.I, Op.B) and prev is not None:
+                actions.append(Action(Op.SEND, mb, peer=prev, payload=Payload.GRADIENT))
+        if train:
+            for b, bucket_layers in enumerate((buckets or {}).get(worker, [layers])):
+                actions.append(Action(Op.REDUCE, layers=tuple(bucket_layers), bucket=b))
+        out[worker] = actions
+    return out
+
+
+# ---------------------------------------------------------------------------------------------- validation
+
+
+def _fail(worker: Worker, index: int, action: Action, why: str) -> ScheduleError:
+    return ScheduleError(f"worker {worker}, action {index} {action}: {why}")
+
+
+def _check_worker(
+    worker: Worker, actions: Sequence[Action], limit: int | None, bucket_count: int | None
+) -> None:
+    """The checks one list allows alone: data dependencies, buckets, activations in flight."""
+    done: dict[tuple[Op, int], int] = {}
+    receives = {(a.payload, a.microbatch): i for i, a in enumerate(actions) if a.op is Op.RECV}
+    in_flight: set[int] = set()
+    reduced: dict[int, int] = {}
+    last_gradient: dict[int, int] = {}  # layer -> index of the last action producing its gradient
+    for index, a in enumerate(actions):
+        mb = a.microbatch
+        if a.op is Op.REDUCE:
+            if a.bucket in reduced:
+                raise _fail(
+                    worker, index, a, f"bucket {a.bucket} is already reduced at action {reduced[a.bucket]}"
+                )
+            reduced[a.bucket] = index
+            continue
+        if a.op is Op.RECV:
+            continue
+        if a.op is Op.SEND:
+            source = Op.F if a.payload is Payload.ACTIVATION else None
+            if source is not None and (Op.F, mb) not in done:
+                raise _fail(worker, index, a, "sends an activation before its forward")
+            if a.payload is Payload.GRADIENT and (Op.I, mb) not in done and (Op.B, mb) not in done:
+                raise _fail(worker, index, a, "sends an input gradient before its I or B")
+            continue
+        if (a.op, mb) in done:
+            raise _fail(worker, index, a, f"runs twice (first at action {done[(a.op, mb)]})")
+        needs = Payload.ACTIVATION if a.op is Op.F else Payload.GRADIENT if a.op in (Op.I, Op.B) else None
+        if needs is not None and receives.get((needs, mb), -1) > index:
+            raise _fail(worker, index, a, f"runs before the {needs.value} it takes is received")
+        if a.op is Op.F:
+            in_flight.add(mb)
+            if limit is not None and len(in_flight) > limit:
+                raise _fail(
+                    worker,
+                    index,
+                    a,
+                    f"{len(in_flight)} micro-batches in flight, above the plan's bound of {limit}",
+                )
+        elif (Op.F, mb) not in done:
+            raise _fail(worker, index, a, "runs before the micro-batch's forward")
+        if a.op is Op.W and (Op.I, mb) not in done:
+            raise _fail(worker, index, a, "runs before the micro-batch's I")
+        if (a.op in (Op.I, Op.B) and (Op.B, mb) in done) or (a.op is Op.B and (Op.I, mb) in done):
+            raise _fail(worker, index, a, "computes the micro-batch's input gradient twice")
+        done[(a.op, mb)] = index
+        if a.op in GRADIENT_OPS:
+            in_flight.discard(mb)
+            for layer in a.layers:
+                last_gradient[layer] = index
+    missing = sorted(mb for (op, mb) in done if op is Op.I and (Op.W, mb) not in done)
+    if missing:
+        raise ScheduleError(f"worker {worker}: micro-batch {missing[0]} has its I but no W")
+    if bucket_count is not None and sorted(reduced) != list(range(bucket_count)):
+        absent = sorted(set(range(bucket_count)) - set(reduced))
+        raise ScheduleError(f"worker {worker}: gradient bucket(s) {absent} are never reduced")
+    for index in reduced.values():
+        a = actions[index]
+        late = [last_gradient[layer] for layer in a.layers if last_gradient.get(layer, -1) > index]
+        if late:
+            raise _fail(
+                worker,
+                index,
+                a,
+                f"comes before action {max(late)} {actions[max(late)]}, which adds to its gradients",
+            )
+
+
+def _posted_order(
+    worker: Worker, actions: Sequence[Action]
+) -> dict[Worker, list[tuple[float, Op, Payload, int]]]:
+    """The transfers ``worker`` posts to each peer, in posting order (the executor's rule, see the module)."""
+    by_peer: dict[Worker, list[tuple[float, Op, Payload, int]]] = defaultdict(list)
+    last_activation: dict[Worker, int] = {}
+    for index, a in enumerate(actions):
+        if a.op not in (Op.SEND, Op.RECV):
+            continue
+        assert a.peer is not None and a.payload is not None
+        at: float = index
+        if a.op is Op.RECV and a.payload is Payload.ACTIVATION:
+            at = last_activation.get(a.peer, -1) + 0.5  # posted once the one before it has arrived
+            last_activation[a.peer] = index
+        by_peer[a.peer].append((at, a.op, a.payload, a.microbatch))
+    return {peer: sorted(posted, key=lambda p: p[0]) for peer, posted in by_peer.items()}
+
+
+def validate(
+    schedule: Mapping[Worker, Sequence[Action]],
+    in_flight: Mapping[Worker, int] | None = None,
+    buckets: Mapping[Worker, int] | None = None,
+) -> None:
+    """Raise :class:`ScheduleError`, naming the action, unless every list of ``schedule`` can run.
+
+    Checks: each send has its receive on the peer and the two sides of each pair post their transfers
+    in the same order; every micro-batch's actions come after what they depend on; every gradient
+    bucket is reduced once, after the last action adding to its gradients (``buckets[worker]``: how
+    many the worker has); no worker holds more than ``in_flight[worker]`` micro-batches' activations;
+    and the lists, run together, finish (:func:`simulate` with no durations).
+    """
+    for worker, actions in schedule.items():
+        _check_worker(
+            worker,
+            actions,
+            None if in_flight is None else in_flight.get(worker),
+            None if buckets is None else buckets.get(worker),
+        )
+    posted = {worker: _posted_order(worker, actions) for worker, actions in schedule.items()}
+    flip = {Op.SEND: Op.RECV, Op.RECV: Op.SEND}
+    for worker, peers in posted.items():
+        for peer, mine in peers.items():
+            theirs = posted.get(peer, {}).get(worker, [])
+            for k, (_, op, payload, mb) in enumerate(mine):
+                action = Action(op, mb, peer=peer, payload=payload)
+                if k >= len(theirs):
+                    raise ScheduleError(
+                        f"worker {worker}: {action} has no matching {flip[op].value} on {peer}"
+                    )
+                _, their_op, their_payload, their_mb = theirs[k]
+                if (their_op, their_payload, their_mb) != (flip[op], payload, mb):
+                    other = Action(their_op, their_mb, peer=worker, payload=their_payload)
+                    raise ScheduleError(
+                        f"worker {worker}: {action} is its transfer number {k} with {peer}, where {peer} "
+                        f"posts {other}: the two sides of a pair must post their transfers in the same order"
+                    )
+            if len(theirs) > len(mine):
+                _, op, payload, mb = theirs[len(mine)]
+                action = Action(op, mb, peer=worker, payload=payload)
+                raise ScheduleError(f"worker {peer}: {action} has no matching {flip[op].value} on {worker}")
+    simulate(schedule)
+
+
+# ---------------------------------------------------------------------------------------------- simulation
+
+
+@dataclass(frozen=True)
+class Timing:
+    """When one action ran in a simulation (or a measurement): ``start`` to ``end`` seconds."""
+
+    action: Action
+    start: float
+    end: float
+
+
+def simulate(
+    schedule: Mapping[Worker, Sequence[Action]],
+    duration: Callable[[Worker, Action], float] | None = None,
+    transfer: Callable[[Worker, Worker, Action], float] | None = None,
+) -> dict[Worker, list[Timing]]:
+    """Run the lists together on idealised devices: each worker does one action at a time, compute
+    takes ``duration(worker, action)``, a sent message arrives ``transfer(sender, receiver, action)``
+    after its ``SEND`` (which does not block), a ``RECV`` waits for it; ``REDUCE`` is issued and not
+    waited for. Returns every action's timing; raises :class:`ScheduleError` naming the blocked actions
+    when the lists cannot finish (a deadlock)."""
+    position = dict.fromkeys(schedule, 0)
+    clock = dict.fromkeys(schedule, 0.0)
+    timings: dict[Worker, list[Timing]] = {worker: [] for worker in schedule}
+    arrivals: dict[tuple[Worker, Worker, Payload, int], float] = {}
+    progressed = True
+    while progressed:
+        progressed = False
+        for worker, actions in schedule.items():
+            while position[worker] < len(actions):
+                a = actions[position[worker]]
+                start = clock[worker]
+                end = start
+                if a.op is Op.RECV:
+                    assert a.peer is not None and a.payload is not None
+                    key = (a.peer, worker, a.payload, a.microbatch)
+                    if key not in arrivals:
+                        break
+                    end = start = max(start, arrivals.pop(key))
+                elif a.op is Op.SEND:
+                    assert a.peer is not None and a.payload is not None
+                    delay = transfer(worker, a.peer, a) if transfer is not None else 0.0
+                    arrivals[(worker, a.peer, a.payload, a.microbatch)] = start + delay
+                elif a.op in COMPUTE and duration is not None:
+                    end = start + duration(worker, a)
+                timings[worker].append(Timing(a, start, end))
+                clock[worker] = end
+                position[worker] += 1
+                progressed = True
+    blocked = {w: actions[position[w]] for w, actions in schedule.items() if position[w] < len(actions)}
+    if blocked:
+        waits = "; ".join(f"worker {w} at action {position[w]} {a}" for w, a in blocked.items())
+        raise ScheduleError(f"the action lists deadlock: {waits}")
+    return timings
+
+
+def iteration_time_s(timings: Mapping[Worker, Sequence[Timing]]) -> float:
+    """The step's length in a simulation: when the last worker finishes."""
+    return max((t[-1].end for t in timings.values() if t), default=0.0)
