@@ -3,11 +3,11 @@
 Layers are materialised one at a time (from the meta device when the model is a factory) and freed after
 their measurement, so a model larger than the device can be profiled. Every layer runs forward and
 backward for real, the backward as the executor splits it (the input's gradient, then the weights':
-``I`` and ``W``, timed apart), warm-up then repetitions (the median is kept), timed with CUDA events on a GPU and the wall clock elsewhere. Memory is counted, not estimated:
-parameter bytes, the bytes of the layer's output (what crosses a stage boundary) and the bytes of the
-tensors autograd saves for the backward (what each in-flight micro-batch keeps alive), found with
-``saved_tensors_hooks`` (:class:`SavedTensorMeter`). Results are cached on disk under a key of
-everything that changes them.
+``I`` and ``W``, timed apart), warm-up then repetitions (the median is kept), timed with CUDA events on a
+GPU and the wall clock elsewhere. Memory is counted, not estimated: parameter bytes, the bytes of the
+layer's output (what crosses a stage boundary) and the bytes of the tensors autograd saves for the
+backward (what each in-flight micro-batch keeps alive), found with ``saved_tensors_hooks``
+(:class:`SavedTensorMeter`). Results are cached on disk under a key of everything that changes them.
 """
 
 from __future__ import annotations
