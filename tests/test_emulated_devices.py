@@ -6,6 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from lightning_oobleck.execution import profile_layers
 from lightning_oobleck.testing import DeviceTimes, EmulatedLayer, emulated_layers, emulated_profile
 
 TIMES = DeviceTimes(0.0, 0.0, 0.0)
@@ -39,10 +40,31 @@ def test_the_profile_states_the_layers_real_sizes_and_the_configured_times() -> 
     layers = emulated_layers(3, 16, times)
     profile = emulated_profile(3, 16, times, microbatch_size=4, sequence=8)
     output = layers[0](torch.zeros(4, 8, 16))
-    for layer, entry in zip(layers, profile.layers, strict=True):
+    for index, (layer, entry) in enumerate(zip(layers, profile.layers, strict=True)):
         assert entry.parameter_bytes == sum(p.numel() * p.element_size() for p in layer.parameters())
         assert entry.output_activation_bytes == output.numel() * output.element_size()
-        assert (entry.forward_s, entry.backward_s) == (0.01, pytest.approx(0.05))
+        # the first layer is fed the data, which needs no gradient: its backward is the weight's alone
+        backward = 0.03 if index == 0 else 0.05
+        assert (entry.forward_s, entry.backward_s, entry.weight_grad_s) == (
+            0.01,
+            pytest.approx(backward),
+            0.03,
+        )
+
+
+def test_the_profiler_measures_the_configured_times() -> None:
+    """The profiler times an emulated layer's forward, input gradient and weight gradient apart, like any
+    layer's: never below the sleeps, and close above them (Python and autograd add little)."""
+    times = DeviceTimes(0.01, 0.02, 0.03)
+    profile = profile_layers(lambda: emulated_layers(2, 16, times), torch.zeros(4, 16), torch.device("cpu"))
+    for index, entry in enumerate(profile.layers):
+        assert entry.weight_grad_s is not None
+        input_grad = entry.backward_s - entry.weight_grad_s
+        configured = (0.01, 0.0 if index == 0 else 0.02, 0.03)
+        for measured, expected in zip(
+            (entry.forward_s, input_grad, entry.weight_grad_s), configured, strict=True
+        ):
+            assert expected <= measured < expected + 0.008, (index, measured, expected)
 
 
 def test_negative_times_are_refused() -> None:

@@ -86,7 +86,7 @@ def profile_layers(
         if index == last and loss_fn is not None and example_target is not None:
             target = pytree.tree_map(lambda t: t.to(device), example_target)
             loss = lambda out, target=target: loss_fn(out, target)  # noqa: E731
-        profile, x = _profile_layer(layer, x, context, device, warmup, repeat, loss)
+        profile, x = _profile_layer(layer, x, context, device, warmup, repeat, loss, input_grad=index > 0)
         layers.append(profile)
         del layer, stage
     dtype_name = str(parameter_dtype).removeprefix("torch.")
@@ -147,9 +147,13 @@ def _profile_layer(
     warmup: int,
     repeat: int,
     loss: Callable[[Any], Tensor] | None,
+    input_grad: bool,
 ) -> tuple[LayerProfile, Any]:
+    """One layer's profile; ``input_grad``: whether its input needs a gradient (not the model's first layer,
+    whose input is the data: its backward computes no input gradient in the pipeline either)."""
+
     def forward() -> tuple[Any, list[Tensor], list[Tensor]]:
-        inputs = pytree.tree_map(lambda t: t.detach().requires_grad_(t.is_floating_point()), x)
+        inputs = pytree.tree_map(lambda t: t.detach().requires_grad_(input_grad and t.is_floating_point()), x)
         out = forward_layers([layer], inputs, context)
         leaves = [t for t in pytree.tree_leaves(inputs) if isinstance(t, Tensor) and t.requires_grad]
         if loss is not None:

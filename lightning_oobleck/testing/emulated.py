@@ -19,7 +19,7 @@ layers can also be checked for equal weights.
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
@@ -93,7 +93,8 @@ def emulated_profile(
     dtype: str = "float32",
 ) -> ModelProfile:
     """The profile of :func:`emulated_layers` for micro-batches of ``[microbatch_size, sequence, width]``:
-    the configured times, and the layers' real sizes."""
+    the configured times (the first layer, fed the data, computes no input gradient), and the layers' real
+    sizes."""
     element = DTYPE_BYTES[dtype]
     output = microbatch_size * sequence * width * element
     layer = LayerProfile(
@@ -102,5 +103,8 @@ def emulated_profile(
         parameter_bytes=width * element,
         output_activation_bytes=output,
         activation_bytes=0,
+        weight_grad_s=times.weight_grad_s,
     )
-    return ModelProfile((layer,) * count, microbatch_size, device="emulated", dtype=dtype)
+    # the first layer's input is the data, which needs no gradient: its backward is the weight's alone
+    first = replace(layer, backward_s=times.weight_grad_s)
+    return ModelProfile((first,) + (layer,) * (count - 1), microbatch_size, device="emulated", dtype=dtype)

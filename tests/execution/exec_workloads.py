@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import statistics
 import threading
 import time
 from datetime import timedelta
@@ -15,6 +16,7 @@ from torch import Tensor
 from lightning_oobleck.execution import PeerFailure, PipelineEngine, ProcessGroups, build_reference_model
 from lightning_oobleck.execution.memory import SavedTensorMeter
 from lightning_oobleck.planning.plan import Plan
+from lightning_oobleck.testing import DeviceTimes, emulated_layers
 
 CONFIG = GPTConfig(vocab_size=32, seq_len=8, d_model=16, n_heads=2, n_blocks=4)
 SEED = 7
@@ -157,3 +159,40 @@ def leave_groups(store: dist.Store, state: dict[str, Any]) -> bool:
 def set_index(store: dist.Store, state: dict[str, Any], index: int) -> int:
     state["index"] = index
     return index
+
+
+def emulated_steps(
+    store: dist.Store, state: dict[str, Any], plan: Plan, generation: int, steps: int
+) -> float:
+    """Train ``steps`` steps of emulated layers (:data:`EMULATED`) under ``plan`` after one warm-up step; the
+    median seconds per step (each timed between barriers of all workers)."""
+    worker = plan.workers[state["index"]]
+    groups = ProcessGroups(plan, worker, store, generation, timeout=timedelta(seconds=60))
+    try:
+        torch.set_num_threads(1)
+        engine = PipelineEngine(
+            lambda: emulated_layers(plan.num_layers, 4, EMULATED), emulated_loss, groups, CPU
+        )
+        inputs = torch.randn(plan.global_batch_size, 4)
+        timings = []
+        for step in range(steps + 1):
+            dist.barrier()
+            start = time.perf_counter()
+            engine.train_step(
+                inputs[engine.batch_slice] if engine.is_first_stage else None,
+                inputs[engine.batch_slice] if engine.is_last_stage else None,
+            )
+            dist.barrier()
+            if step > 0:
+                timings.append(time.perf_counter() - start)
+        return statistics.median(timings)
+    finally:
+        groups.destroy()
+
+
+EMULATED = DeviceTimes(0.01, 0.01, 0.01)
+"""Every emulated layer's forward, input gradient and weight gradient take 10 ms."""
+
+
+def emulated_loss(output: Tensor, target: Tensor) -> Tensor:
+    return ((output - target) ** 2).mean()

@@ -41,6 +41,7 @@ from torch.utils.data import DataLoader
 sys.path.insert(0, str(Path(__file__).parents[1] / "lightning"))
 from pipeline_testing import TinyNet, dataset
 
+import lightning_oobleck.execution.schedule as executor
 from lightning_oobleck.lightning import GlobalBatchSampler, OobleckStrategy
 from lightning_oobleck.lightning.units import EVENTS_FILE
 from lightning_oobleck.planning.cluster import ClusterSpec
@@ -58,6 +59,9 @@ FORWARD, BACKWARD, GRAD_SYNC, OPTIMIZER, RECOVERY = (
     "optimizer",
     "recovery",
 )
+INPUT_GRAD, WEIGHT_GRAD, REDUCE = "input_grad", "weight_grad", "reduce"
+"""The moments of a split backward (``schedule="zb-h1"``): in the step's second ``I``, in its second ``W``,
+in its first ``REDUCE`` action."""
 
 
 class Fault(NamedTuple):
@@ -74,14 +78,16 @@ class Faults(L.Callback):
     fault's moment: a few layers into the step's 1F1B (``FORWARD``), at the step's second gradient
     of a layer output (``BACKWARD``), right after issuing its first gradient bucket's all-reduce
     (``GRAD_SYNC``), after its commit, before the optimizer update (``OPTIMIZER``), or once the new
-    generation's process groups are built in a recovery during that step (``RECOVERY``); records, per
-    counted step, the samples the pipeline's first stage fed."""
+    generation's process groups are built in a recovery during that step (``RECOVERY``), or, under a split
+    backward, at :data:`INPUT_GRAD`, :data:`WEIGHT_GRAD` or :data:`REDUCE`; records, per counted step, the
+    samples the pipeline's first stage fed."""
 
     def __init__(self, out: Path, faults: dict[tuple[int, int], Fault]) -> None:
         self.out, self.faults = out, faults
         self.fed: list[tuple[int, torch.Tensor]] = []
         self.armed: Fault | None = None
         self.forwards = self.backwards = 0
+        self.split_calls: dict[str, int] = {}
 
     def on_fit_start(self, trainer: L.Trainer, module: L.LightningModule) -> None:
         torch.nn.modules.module.register_module_forward_pre_hook(self._on_forward)
@@ -98,10 +104,21 @@ class Faults(L.Callback):
             return groups
 
         recovery._new_groups = build_groups_then_fire
+        for name, when in (("backward_input", INPUT_GRAD), ("backward_weight", WEIGHT_GRAD)):
+            original = getattr(executor, name)
+
+            def count_then_fire(*args: Any, original: Any = original, when: str = when) -> Any:
+                self.split_calls[when] = self.split_calls.get(when, 0) + 1
+                if self.split_calls[when] == 2:
+                    self._fire(when)
+                return original(*args)
+
+            setattr(executor, name, count_then_fire)
 
     def on_train_batch_start(self, trainer: L.Trainer, *args: Any) -> None:
         self.fed.clear()
         self.forwards = self.backwards = 0
+        self.split_calls.clear()
         fault = self.faults.get((self.worker[0], trainer.global_step))
         self.armed = fault if fault is not None and fault.device == self.worker[1] else None
         if self.armed is not None and self.armed.when == GRAD_SYNC:
@@ -113,6 +130,15 @@ class Faults(L.Callback):
                 self._fire(GRAD_SYNC)
 
             sync._issue = issue_then_fire
+        if self.armed is not None and self.armed.when == REDUCE:
+            sync = self.engine()._grad_sync
+            reduce = sync.reduce
+
+            def fire_then_reduce(bucket: int) -> None:
+                self._fire(REDUCE)
+                reduce(bucket)
+
+            sync.reduce = fire_then_reduce
 
     def _on_forward(self, layer: torch.nn.Module, args: tuple) -> None:
         if torch._C._current_graph_task_id() != -1:
@@ -149,6 +175,7 @@ class Faults(L.Callback):
 
     def on_train_end(self, trainer: L.Trainer, module: L.LightningModule) -> None:
         torch.save(dict(module.state_dict()), self.out / f"final-{self.name}.pt")
+        (self.out / f"schedule-{self.name}").write_text(self.engine().plan.schedule)
 
 
 def trainer_kwargs(tmp_path: Path, callbacks: list) -> dict:
@@ -176,16 +203,17 @@ def reference(tmp_path_factory: pytest.TempPathFactory) -> dict[str, torch.Tenso
     return dict(model.state_dict())
 
 
-def planned(num_nodes: int, devices_per_node: int = 1) -> Plan:
+def planned(num_nodes: int, devices_per_node: int = 1, schedule: str = "1f1b") -> Plan:
     """The planner's plan (f = 2) of the 6 layers of ``TinyNet`` (equal profiles, 3 fit on a device) on
     ``num_nodes`` nodes: 3 pipelines of 2 stages on 6 nodes, of 3 + 2 + 2 stages on 7, and one pipeline
     per node on 3 nodes of 2 devices."""
-    layers = tuple(LayerProfile(1e-3, 2e-3, 1000, 100, 100) for _ in range(6))
+    layers = tuple(LayerProfile(1e-3, 2e-3, 1000, 100, 100, weight_grad_s=1e-3) for _ in range(6))
     return make_plan(
         ModelProfile(layers, microbatch_size=MICRO),
         ClusterSpec(num_nodes=num_nodes, gpus_per_node=devices_per_node, device_memory_bytes=20_000),
         fault_tolerance=2,
         global_batch_size=GLOBAL_BATCH,
+        schedule=schedule,
     )
 
 

@@ -24,6 +24,9 @@ middle stage       validation forward (SIGKILL)               middle_stage_in_va
 last stage         checkpoint save (SIGKILL)                  middle_stage_in_validation...
 first stage        sync_dist reduce of val_loss (SIGSTOP)     middle_stage_in_validation...
 two nodes at once  checkpoint save (SIGKILL), f = 2           two_nodes_in_a_checkpoint...
+last stage, ZB-H1  input gradient ``I`` (SIGKILL)             zero_bubble_schedule...
+first stage, ZB-H1 weight gradient ``W`` (SIGKILL)            zero_bubble_schedule...
+last stage, ZB-H1  gradient ``REDUCE`` (SIGKILL)              zero_bubble_schedule...
 =================  =========================================  ==========================
 """
 
@@ -44,7 +47,10 @@ from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.loggers import CSVLogger
 from test_fault_matrix import (
     FORWARD,
+    INPUT_GRAD,
     OPTIMIZER,
+    REDUCE,
+    WEIGHT_GRAD,
     Fault,
     Faults,
     TinyNet,
@@ -233,7 +239,7 @@ def fit_loop(
     sets ``fault_tolerance`` (then the strategy plans by itself)."""
     if "layout" not in kw and "fault_tolerance" not in kw:
         plan_path = out / "plan.json"
-        plan_path.write_text(planned(num_nodes).to_json())
+        plan_path.write_text(planned(num_nodes, schedule=kw.get("schedule", "1f1b")).to_json())
         kw = {"plan_path": str(plan_path), "fault_tolerance": 2, **kw}
     strategy = OobleckStrategy(
         **{
@@ -370,3 +376,22 @@ def test_two_nodes_in_a_checkpoint_save_at_once(tmp_path: Path, loop_reference: 
     _, recoveries = read_events(tmp_path / "logs" / "version_0" / EVENTS_FILE)
     assert recoveries[-1].fault_tolerance is not None and recoveries[-1].fault_tolerance < 2
     assert any("tolerates f=" in w for e in recoveries for w in e.warnings)
+
+
+@pytest.mark.timeout(300)
+def test_zero_bubble_schedule_kills_in_an_i_a_w_and_a_reduce(
+    tmp_path: Path, loop_reference: dict[str, Any]
+) -> None:
+    """``schedule="zb-h1"`` (split backward), 6 nodes, 3 pipelines of 2. A last stage (node 1) dies in an
+    ``I`` of step 1; a first stage (node 2) in a ``W`` of step 3; a last stage (node 5) in a ``REDUCE`` of
+    step 6. Same weights, LRs, logged losses, samples and checkpoints as single-process training."""
+    faults = {
+        (1, 1): Fault(signal.SIGKILL, INPUT_GRAD),
+        (2, 3): Fault(signal.SIGKILL, WEIGHT_GRAD),
+        (5, 6): Fault(signal.SIGKILL, REDUCE),
+    }
+    assert planned(6, schedule="zb-h1").schedule == "zb-h1"
+    trainer = fit_loop(tmp_path, LoopFaults(tmp_path, faults), 6, schedule="zb-h1")
+    check_loop(trainer, tmp_path, loop_reference, dead={1, 2, 5}, num_nodes=6)
+    # the plans made in the recoveries keep the schedule
+    assert {p.read_text() for p in tmp_path.glob("schedule-*")} == {"zb-h1"}
