@@ -148,3 +148,14 @@ def test_installed_console_script() -> None:
     done = subprocess.run([script, *PLAN13, "--json"], capture_output=True, text=True, timeout=60, check=True)
     data = json.loads(done.stdout)
     assert len(data["pipelines"]) >= 3 and sum(len(p["nodes"]) for p in data["pipelines"]) == 13
+
+
+def test_plan_for_the_zero_bubble_schedule(capsys) -> None:
+    small = [*PLAN13[:-4], "--global-batch", "128", "--microbatch", "1"]
+    code, one_f_one_b, _ = _run([*small, "--json"], capsys)
+    code, data, _ = _run([*small, "--schedule", "zb-h1", "--json"], capsys)
+    assert code == 0 and data["schedule"] == "zb-h1"
+    assert all(len(t["schedule_fit_s"]) == 2 for t in data["templates"])
+    assert data["iteration_time_s"] < one_f_one_b["iteration_time_s"]
+    code, out, _ = _run([*small, "--schedule", "zb-h1"], capsys)
+    assert code == 0 and "schedule zb-h1" in out

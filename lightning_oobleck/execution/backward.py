@@ -7,6 +7,10 @@ is needed now, its weight-gradient output later). ``W`` restarts autograd at tho
 gradients and runs only the parameters' side of the graph, so nothing of ``I``'s work is done twice, and
 the parameters' gradients accumulate into ``.grad`` as in a whole backward (post-accumulate hooks fire).
 
+A parameter used at two depths of the input path (a weight shared by two layers of one stage) is reached
+from a boundary node through the input path below it: restarting there would run that path again, so such
+a parameter gets its gradient in ``I``, as in a whole backward.
+
 A layer opts out with ``split_backward = False`` (an attribute of the layer module, e.g. one whose custom
 autograd function computes both gradients in one node, or that recomputes its forward in the backward):
 its parameters then get their gradients in ``I``, as in a whole backward.
@@ -83,10 +87,29 @@ def _closure(
     return reached, met
 
 
+def _nested(nodes: Sequence[Node], input_side: set[Node]) -> bool:
+    """Whether one of ``nodes`` lies below another on the input path."""
+    if len(nodes) < 2:
+        return False
+    group = set(nodes)
+    for start in nodes:
+        seen, queue = {start}, deque([start])
+        while queue:
+            for child, _ in queue.popleft().next_functions:
+                if child is None or child in seen or child not in input_side:
+                    continue
+                if child in group:
+                    return True
+                seen.add(child)
+                queue.append(child)
+    return False
+
+
 def _groups(
     params: Sequence[nn.Parameter], parents: dict[Node, list[Node]], input_side: set[Node]
-) -> list[_Group]:
-    """Parameters grouped by shared boundary nodes, the group of the last parameter first."""
+) -> tuple[list[_Group], list[nn.Parameter]]:
+    """Parameters grouped by shared boundary nodes, the group of the last parameter first; and the
+    parameters of nested groups, which cannot be split (see the module's docstring)."""
     groups: list[_Group] = []
     owner: dict[Node, _Group] = {}
     for p in reversed(params):
@@ -105,9 +128,14 @@ def _groups(
         group.nodes += [n for n in met if n not in owner]
         for n in group.nodes:
             owner[n] = group
+    split, unsplit = [], []
     for group in groups:
         group.grads = [None] * len(group.nodes)
-    return groups
+        if _nested(group.nodes, input_side):
+            unsplit += group.params
+        else:
+            split.append(group)
+    return split, unsplit
 
 
 def backward_input(
@@ -129,7 +157,8 @@ def backward_input(
     roots = [t.grad_fn for t in outputs if t.grad_fn is not None]
     parents = _reverse_edges(roots)
     input_side, _ = _closure([get_gradient_edge(t).node for t in inputs], parents, set())
-    groups = _groups(split, parents, input_side)
+    groups, unsplit = _groups(split, parents, input_side)
+    whole += unsplit
 
     def keep(group: _Group, k: int):
         def hook(grad_outputs: tuple[Tensor | None, ...]) -> None:
@@ -153,19 +182,11 @@ def backward_weight(kept: WeightGradient) -> None:
             torch.autograd.backward(kept.outputs, kept.output_grads, inputs=kept.params)
         return
     for group in kept.groups:
-        roots, grads, clamps = [], [], []
+        roots, grads = [], []
         for node, node_grads in zip(group.nodes, group.grads, strict=True):
-            if node_grads is None:
-                continue
-            for k, g in enumerate(node_grads):
+            for k, g in enumerate(node_grads or ()):
                 if g is not None:
                     roots.append(GradientEdge(node, k))
                     grads.append(g)
-            # a boundary node below another one of the group also gets that one's flow: keep what I recorded
-            clamps.append(node.register_prehook(lambda _grads, recorded=node_grads: recorded))
-        try:
-            if roots:
-                torch.autograd.backward(roots, grads, inputs=group.params)
-        finally:
-            for handle in clamps:
-                handle.remove()
+        if roots:
+            torch.autograd.backward(roots, grads, inputs=group.params)

@@ -1,6 +1,7 @@
 """Batch distribution: how many micro-batches each pipeline runs in one step.
 
-Pipeline ``p`` with fill time ``a_p`` (1F1B: the sum of its stage times) and slowest stage ``c_p`` takes
+Pipeline ``p`` with fill time ``a_p`` and steady-state time per micro-batch ``c_p`` (1F1B: the sum and the
+maximum of its stage times) takes
 ``T_p(m) = a_p + (m - 1) c_p`` for ``m`` micro-batches (see :mod:`lightning_oobleck.planning.cost`). We
 choose integers ``m_p >= 1`` with ``sum_p m_p = B / b`` minimising ``max_p T_p(m_p)``: the step waits for
 the slowest pipeline before the gradient all-reduce.
@@ -61,7 +62,7 @@ def distribute_microbatches(templates: Sequence[PipelineTemplate], total: int) -
     kinds = list(dict.fromkeys(templates))
     x = np.array([sum(t == kind for t in templates) for kind in kinds], dtype=np.float64)
     a = np.array([t.fill_s for t in kinds])
-    c = np.array([max(t.stage_times_s) for t in kinds])
+    c = np.array([t.slope_s for t in kinds])
     n = len(kinds)
     bound = min_slowest_time(a, c, x.astype(np.int64), total)
     # Variables: h_0..h_{n-1}, t_0..t_{n-1}, z.

@@ -68,7 +68,7 @@ class IterationTimeModel:
         self.templates = tuple(templates)
         self.sizes = np.array([t.num_nodes for t in templates])
         self.sums = np.array([t.fill_s for t in templates])
-        self.maxes = np.array([max(t.stage_times_s) for t in templates])
+        self.maxes = np.array([t.slope_s for t in templates])
         self.num_microbatches = num_microbatches
         replicas = np.arange(1, max(max_pipelines, 1) + 1)
         self._tails = np.stack([cost.template_tails_s(t, replicas) for t in templates])

@@ -59,9 +59,9 @@ class PipelineTemplate:
     stage_memory_bytes: tuple[float, ...] = ()
     microbatches: int = 0
     """The micro-batch count the split was optimised for (0: unknown)."""
-    schedule_fill_s: float | None = None
-    """The fill time :attr:`fill_s` under a schedule other than 1F1B, fitted by the planner to the event
-    simulation of that schedule's action lists (``None``: 1F1B)."""
+    schedule_fit_s: tuple[float, float] | None = None
+    """``(a, c)`` of :meth:`iteration_time_s` under a schedule other than 1F1B, fitted by the planner to the
+    event simulation of that schedule's action lists (``None``: 1F1B)."""
 
     def __post_init__(self) -> None:
         if len(self.stage_times_s) != len(self.stages):
@@ -73,18 +73,24 @@ class PipelineTemplate:
 
     @property
     def fill_s(self) -> float:
-        """``a`` in ``T(m) = a + (m - 1) * max_s t_s``: under 1F1B the sum of the stage times."""
-        return sum(self.stage_times_s) if self.schedule_fill_s is None else self.schedule_fill_s
+        """``a`` in ``T(m) = a + (m - 1) * c``: under 1F1B the sum of the stage times."""
+        return sum(self.stage_times_s) if self.schedule_fit_s is None else self.schedule_fit_s[0]
+
+    @property
+    def slope_s(self) -> float:
+        """``c`` in ``T(m) = a + (m - 1) * c``: under 1F1B the slowest stage's time."""
+        return max(self.stage_times_s) if self.schedule_fit_s is None else self.schedule_fit_s[1]
 
     def iteration_time_s(self, microbatches: int) -> float:
         """Iteration time for ``microbatches`` micro-batches.
 
-        ``T(m) = a + (m - 1) * max_s t_s``: the first micro-batch crosses every stage once (fill and
-        drain, ``a`` = :attr:`fill_s`), every further one costs the slowest stage's time (steady state).
+        ``T(m) = a + (m - 1) * c``: the first micro-batch crosses every stage once (fill and drain,
+        ``a`` = :attr:`fill_s`), every further one costs the steady state's time per micro-batch
+        (``c`` = :attr:`slope_s`, the slowest stage's time under 1F1B).
         """
         if microbatches <= 0:
             return 0.0
-        return self.fill_s + (microbatches - 1) * max(self.stage_times_s)
+        return self.fill_s + (microbatches - 1) * self.slope_s
 
 
 @dataclass(frozen=True)
@@ -293,8 +299,13 @@ def _template_to_dict(t: PipelineTemplate) -> dict[str, Any]:
         "stage_memory_bytes": list(t.stage_memory_bytes),
         "microbatches": t.microbatches,
         "iteration_time_s": t.iteration_time_s(t.microbatches or len(t.stages)),
-        **({"schedule_fill_s": t.schedule_fill_s} if t.schedule_fill_s is not None else {}),
+        **({"schedule_fit_s": list(t.schedule_fit_s)} if t.schedule_fit_s is not None else {}),
     }
+
+
+def _pair(values: Sequence[float]) -> tuple[float, float]:
+    a, c = values
+    return float(a), float(c)
 
 
 def _template_from_dict(d: dict[str, Any], gpus_per_node: int) -> PipelineTemplate:
@@ -315,5 +326,5 @@ def _template_from_dict(d: dict[str, Any], gpus_per_node: int) -> PipelineTempla
         stage_times_s=tuple(float(x) for x in d["stage_times_s"]),
         stage_memory_bytes=tuple(float(x) for x in d.get("stage_memory_bytes", ())),
         microbatches=int(d.get("microbatches", 0)),
-        schedule_fill_s=None if d.get("schedule_fill_s") is None else float(d["schedule_fill_s"]),
+        schedule_fit_s=None if d.get("schedule_fit_s") is None else _pair(d["schedule_fit_s"]),
     )

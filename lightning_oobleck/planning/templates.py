@@ -165,7 +165,7 @@ def generate_template(cost: CostModel, num_nodes: int, microbatches: int) -> Pip
         stage_memory_bytes=tuple(float(memory[s, i, j]) for s, (i, j) in enumerate(ranges)),
         microbatches=microbatches,
     )
-    return replace(template, schedule_fill_s=cost.schedule_fill_s(template))
+    return replace(template, schedule_fit_s=cost.schedule_fit_s(template))
 
 
 def is_feasible(cost: CostModel, num_nodes: int) -> bool:

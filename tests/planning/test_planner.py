@@ -11,6 +11,7 @@ import pytest
 from lightning_oobleck.planning import ClusterSpec, Plan, PlanningError, make_plan, synthetic_gpt_profile
 from lightning_oobleck.planning.cost import CostModel
 from lightning_oobleck.planning.instantiation import IterationTimeModel
+from lightning_oobleck.planning.reconfigure import after_failures
 from lightning_oobleck.planning.templates import InfeasibleTemplateError
 
 
@@ -103,3 +104,21 @@ def test_model_too_big_for_the_cluster_is_a_clear_error() -> None:
         make_plan(
             profile, ClusterSpec(8, 1, device_memory_bytes=16e9), fault_tolerance=0, global_batch_size=8
         )
+
+
+def test_zero_bubble_plan_is_costed_by_simulating_its_schedule() -> None:
+    profile = synthetic_gpt_profile(24, microbatch_size=1)
+    args = {"fault_tolerance": 2, "global_batch_size": 128}
+    one_f_one_b = make_plan(profile, ClusterSpec(13, 1), **args)
+    plan = make_plan(profile, ClusterSpec(13, 1), schedule="zb-h1", **args)
+    assert plan.schedule == "zb-h1" and one_f_one_b.schedule == "1f1b"
+    assert plan.iteration_time_s < one_f_one_b.iteration_time_s
+    cost = CostModel(profile, ClusterSpec(13, 1), schedule="zb-h1")
+    for template in plan.templates:
+        stages = len(template.stages)
+        for m in (stages, stages + 1, 2 * stages, 3 * stages):
+            assert template.iteration_time_s(m) == pytest.approx(cost.simulated_time_s(template, m), rel=5e-3)
+    loaded = Plan.from_dict(json.loads(plan.to_json()))
+    assert loaded == plan and loaded.templates[0].schedule_fit_s == plan.templates[0].schedule_fit_s
+    shrunk = after_failures(plan, [plan.nodes[0]]).plan
+    assert shrunk.schedule == "zb-h1" and shrunk.templates[0].schedule_fit_s is not None
