@@ -1,13 +1,12 @@
-"""Engine throughput: a heterogeneous plan against its prediction, data parallel against PyTorch DDP.
+"""Engine throughput: the engine's data-parallel layout against PyTorch DDP on real compute.
 
-Spawns ``--processes`` workers (one thread each, gloo on CPU) that run, in the same processes:
+Spawns ``--processes`` workers (one thread each, gloo on CPU) that run, in the same processes and
+alternating rounds so both see the same machine load, the pure data-parallel plan (every pipeline one node
+holding the whole model) and ``torch.nn.parallel.DDP`` with gradient accumulation over the same
+micro-batches; then the cost of the abortable wait on one point-to-point message.
 
-1. a heterogeneous plan (one single-node pipeline holding the whole model plus one pipeline of the
-   remaining nodes, layers split by the measured profile, micro-batches split to balance the
-   pipelines), timed against the 1F1B prediction from the profile
-   (``PipelineTemplate.iteration_time_s``; compute only, no gradient sync or optimizer step);
-2. the pure data-parallel plan (every pipeline one node) and ``torch.nn.parallel.DDP`` with gradient
-   accumulation over the same micro-batches, alternating rounds so both see the same machine load.
+Pipelined plans are timed on emulated devices instead (``benchmarks/schedules.py``): real compute in several
+processes on this machine's cores measures their contention, not the schedule.
 
     python benchmarks/engine_throughput.py [--processes 3] [--steps 3] [--rounds 5]
 """
@@ -62,46 +61,26 @@ def batch(step: int, size: int) -> tuple[torch.Tensor, torch.Tensor]:
     return tokens[:, :-1], tokens[:, 1:]
 
 
-# ---------------------------------------------------------------------------------------------- plans
-def stage_times(profile: ModelProfile, bounds: list[tuple[int, int]]) -> tuple[float, ...]:
-    return tuple(sum(la.forward_s + la.backward_s for la in profile.layers[a:b]) for a, b in bounds)
-
-
-def template(profile: ModelProfile, nodes: int) -> PipelineTemplate:
-    """The ``nodes``-stage split of the layers with the lowest slowest-stage time (exhaustive)."""
-    n = profile.num_layers
-    best = min(
-        ([0, *cuts, n] for cuts in itertools.combinations(range(1, n), nodes - 1)),
-        key=lambda edges: max(stage_times(profile, list(itertools.pairwise(edges)))),
+# ----------------------------------------------------------------------------------------------- plan
+def data_parallel_plan(profile: ModelProfile, processes: int) -> Plan:
+    """``processes`` single-node pipelines holding the whole model, the micro-batches split evenly."""
+    template = PipelineTemplate(
+        1,
+        1,
+        (Stage(0, profile.num_layers, 0),),
+        (sum(la.forward_s + la.backward_s for la in profile.layers),),
     )
-    bounds = list(itertools.pairwise(best))
-    stages = tuple(Stage(a, b, node) for node, (a, b) in enumerate(bounds))
-    return PipelineTemplate(nodes, 1, stages, stage_times(profile, bounds))
-
-
-def make_plan(profile: ModelProfile, templates: list[PipelineTemplate]) -> Plan:
-    """Instantiate ``templates`` on consecutive nodes with the micro-batch split minimising the slowest."""
-    splits = (
-        ms
-        for ms in itertools.product(range(1, MICROBATCHES + 1), repeat=len(templates))
-        if sum(ms) == MICROBATCHES
-    )
-    best = min(splits, key=lambda ms: max(t.iteration_time_s(m) for t, m in zip(templates, ms, strict=True)))
-    starts = itertools.accumulate([0, *(t.num_nodes for t in templates)])
-    pipelines = tuple(
-        Pipeline(t, tuple(range(s, s + t.num_nodes)), m)
-        for t, s, m in zip(templates, starts, best, strict=False)
-    )
+    pipelines = tuple(Pipeline(template, (node,), MICROBATCHES // processes) for node in range(processes))
     return Plan(
         num_layers=profile.num_layers,
         gpus_per_node=1,
-        fault_tolerance=len(pipelines) - 1,
+        fault_tolerance=processes - 1,
         n0=1,
         microbatch_size=MICROBATCH,
         global_batch_size=MICROBATCH * MICROBATCHES,
-        templates=tuple({t.num_nodes: t for t in templates}.values()),
+        templates=(template,),
         pipelines=pipelines,
-        iteration_time_s=max(p.iteration_time_s() for p in pipelines),
+        iteration_time_s=template.iteration_time_s(MICROBATCHES // processes),
     )
 
 
@@ -146,20 +125,11 @@ def ddp_step(ddp: DistributedDataParallel, opt: torch.optim.Optimizer, rank: int
     return step
 
 
-def worker(index: int, port: int, plans: dict[str, Plan], steps: int, rounds: int, out: Any) -> None:
+def worker(index: int, port: int, plan: Plan, steps: int, rounds: int, out: Any) -> None:
     torch.set_num_threads(1)
     store = TCPStore("127.0.0.1", port, is_master=False, timeout=timedelta(seconds=120))
     size = MICROBATCH * MICROBATCHES
-    result: dict[str, list[float]] = {}
-
-    groups = ProcessGroups(plans["hetero"], plans["hetero"].workers[index], store, 0)
-    engine = PipelineEngine(model, gpt_loss, groups, CPU)
-    opt = torch.optim.AdamW(engine.module.parameters())
-    timed_steps(engine_step(engine, opt, size), 1)  # warm-up
-    result["hetero"] = [timed_steps(engine_step(engine, opt, size), steps) for _ in range(rounds)]
-    groups.destroy()
-
-    groups = ProcessGroups(plans["dp"], plans["dp"].workers[index], store, 1)
+    groups = ProcessGroups(plan, plan.workers[index], store, 0)
     engine = PipelineEngine(model, gpt_loss, groups, CPU)
     opt = torch.optim.AdamW(engine.module.parameters())
     ddp = DistributedDataParallel(build_reference_model(model, CPU))
@@ -168,6 +138,7 @@ def worker(index: int, port: int, plans: dict[str, Plan], steps: int, rounds: in
         "dp": engine_step(engine, opt, size),
         "ddp": ddp_step(ddp, ddp_opt, groups.rank, groups.world_size),
     }
+    result: dict[str, list[float]] = {}
     for name, step in runs.items():
         timed_steps(step, 1)  # warm-up
         result[name] = []
@@ -207,26 +178,23 @@ def main() -> None:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    parser.add_argument("--processes", type=int, default=3, help="workers (nodes), at least 3")
+    parser.add_argument("--processes", type=int, default=3, help="workers (nodes), dividing 12 micro-batches")
     parser.add_argument("--steps", type=int, default=3, help="steps per timed round")
     parser.add_argument("--rounds", type=int, default=5, help="timed rounds (the fastest is reported)")
     args = parser.parse_args()
-    if args.processes < 3:
-        parser.error("a heterogeneous plan needs at least 3 processes")
+    if args.processes < 2 or MICROBATCHES % args.processes:
+        parser.error(f"--processes must be at least 2 and divide {MICROBATCHES}")
     torch.set_num_threads(1)
     inputs, targets = batch(0, MICROBATCH)
     profile = profile_layers(
         model, inputs, CPU, warmup=3, repeat=10, loss_fn=gpt_loss, example_target=targets
     )
-    plans = {
-        "hetero": make_plan(profile, [template(profile, 1), template(profile, args.processes - 1)]),
-        "dp": make_plan(profile, [template(profile, 1)] * args.processes),
-    }
+    plan = data_parallel_plan(profile, args.processes)
     store = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=120))
     ctx = mp.get_context("spawn")
     out = ctx.Queue()
     procs = [
-        ctx.Process(target=worker, args=(i, store.port, plans, args.steps, args.rounds, out), daemon=True)
+        ctx.Process(target=worker, args=(i, store.port, plan, args.steps, args.rounds, out), daemon=True)
         for i in range(args.processes)
     ]
     for p in procs:
@@ -234,10 +202,10 @@ def main() -> None:
     results = dict(out.get(timeout=900) for _ in procs)
     for p in procs:
         p.join(timeout=30)
-    report(plans, results, args.processes)
+    report(results, args.processes)
 
 
-def report(plans: dict[str, Plan], results: dict[int, dict[str, list[float]]], processes: int) -> None:
+def report(results: dict[int, dict[str, list[float]]], processes: int) -> None:
     size = MICROBATCH * MICROBATCHES
     # every rank times the same barrier-to-barrier interval: the slowest rank of a round is its time, and
     # the best round is the one least disturbed by other load on the machine
@@ -253,21 +221,12 @@ def report(plans: dict[str, Plan], results: dict[int, dict[str, list[float]]], p
         title=f"Engine throughput: GPT {CONFIG}, b={MICROBATCH}, B={size}, {processes} processes, "
         f"{len(os.sched_getaffinity(0))} cores, load average {load:.1f}"
     )
-    for column in ("plan", "measured samples/s", "predicted samples/s", "measured / predicted"):
+    for column in ("run", "samples/s"):
         table.add_column(column)
-    measured = {name: size / s for name, s in step_s.items()}
-    predicted = {name: size / plans[name].iteration_time_s for name in plans}
-    for name, title in (("hetero", "heterogeneous"), ("dp", "data parallel")):
-        layout = " + ".join(
-            f"{[(s.first_layer, s.end_layer) for s in p.stages]} x{p.microbatches}mb"
-            for p in plans[name].pipelines
-        )
-        ratio = measured[name] / predicted[name]
-        table.add_row(f"{title}: {layout}", f"{measured[name]:.1f}", f"{predicted[name]:.1f}", f"{ratio:.3f}")
-    relative = (measured["hetero"] / measured["dp"]) / (predicted["hetero"] / predicted["dp"])
-    table.add_row("heterogeneous relative to data parallel", "", "", f"{relative:.3f}")
-    table.add_row("PyTorch DDP, same processes and micro-batches", f"{measured['ddp']:.1f}", "", "")
-    table.add_row("data parallel: oobleck engine / DDP", "", "", f"{measured['dp'] / measured['ddp']:.3f}")
+    measured = {name: size / step_s[name] for name in ("dp", "ddp")}
+    table.add_row(f"oobleck engine, {processes} single-node pipelines", f"{measured['dp']:.1f}")
+    table.add_row("PyTorch DDP, same processes and micro-batches", f"{measured['ddp']:.1f}")
+    table.add_row("oobleck engine / DDP", f"{measured['dp'] / measured['ddp']:.3f}")
     console.print(table)
     overhead = Table(title="Waiting for one point-to-point message (ping-pong between ranks 0 and 1)")
     overhead.add_column("wait")

@@ -207,6 +207,29 @@ def median_step_s(results: dict[int, Any], schedule: str) -> float:
     return statistics.median(results[0]["timings"][schedule])
 
 
+def new_table(
+    ms: float, title: str, columns: tuple[str, ...], after: tuple[str, ...] = ()
+) -> tuple[DeviceTimes, dict[str, ModelProfile], Table]:
+    """Devices of ``F = I = W = ms``, their profiles, and a table with ``columns``, the prediction from the
+    profiled layers, then ``after``."""
+    times = DeviceTimes(ms / 1e3, ms / 1e3, ms / 1e3)
+    table = Table(title=title)
+    for column in (*columns, "simulated ms, profiled", "measured / simulated ", *after):
+        table.add_column(column, justify="left" if column == "layout" else "right")
+    return times, profiles(times), table
+
+
+def against_simulation(
+    measured: float, plan: Plan, predictions: dict[str, ModelProfile], latency_s: float
+) -> list[str]:
+    """Simulated ms and measured / simulated, from the configured and from the profiled times."""
+    cells = []
+    for profile in predictions.values():
+        simulated = simulated_s(plan, profile, latency_s)
+        cells += [f"{simulated * 1e3:.0f}", f"{measured / simulated:.3f}"]
+    return cells
+
+
 def plot(results: dict[int, Any], microbatches: int, path: str) -> None:
     """Each schedule's actions per worker (rows) over time, from the executor's timestamps."""
     import matplotlib
@@ -262,39 +285,26 @@ def main() -> None:
     latency = spawn(ping_pong, 2, 200)[0]
     console.print(f"gloo link latency here (ping-pong): {latency * 1e6:.0f} µs")
 
-    t = args.stage_ms / 1e3
-    times = DeviceTimes(t, t, t)
-    predictions = profiles(times)
-    table = Table(
-        title=f"8 emulated stages, F = I = W = {args.stage_ms:g} ms per stage: median over {args.rounds} "
-        f"rounds of {args.steps} steps; simulated from the configured times and from the profiled layers"
+    times, predictions, table = new_table(
+        args.stage_ms,
+        f"8 emulated stages, F = I = W = {args.stage_ms:g} ms per stage: median over {args.rounds} "
+        f"rounds of {args.steps} steps; simulated from the configured times and from the profiled layers",
+        ("m", "schedule", "measured ms", "theory ms", "simulated ms", "measured / simulated"),
+        ("ZB-H1 / 1F1B measured", "ZB-H1 / 1F1B theory"),
     )
-    columns = ("m", "schedule", "measured ms", "theory ms", "simulated ms", "measured / simulated")
-    columns += (
-        "simulated ms, profiled",
-        "measured / simulated ",
-        "ZB-H1 / 1F1B measured",
-        "ZB-H1 / 1F1B theory",
-    )
-    for column in columns:
-        table.add_column(column, justify="right")
     stages = list(range(LAYERS + 1))
     for k, m in enumerate(args.microbatches):
         results = measure([stages], [m], times, args, trace=args.plot is not None and k == 0)
         measured = {s: median_step_s(results, s) for s in SCHEDULE_NAMES}
         for schedule in SCHEDULE_NAMES:
             plan = make_plan([stages], [m], schedule)
-            simulated = {name: simulated_s(plan, profile, latency) for name, profile in predictions.items()}
-            zb = schedule == "zb-h1"
+            zb, t = schedule == "zb-h1", times.forward_s
             table.add_row(
                 str(m),
                 schedule,
                 f"{measured[schedule] * 1e3:.0f}",
                 f"{theory_s(schedule, LAYERS, m, t) * 1e3:.0f}",
-                f"{simulated['configured'] * 1e3:.0f}",
-                f"{measured[schedule] / simulated['configured']:.3f}",
-                f"{simulated['profiled'] * 1e3:.0f}",
-                f"{measured[schedule] / simulated['profiled']:.3f}",
+                *against_simulation(measured[schedule], plan, predictions, latency),
                 f"{measured['zb-h1'] / measured['1f1b']:.3f}" if zb else "",
                 f"{theory_s('zb-h1', LAYERS, m, t) / theory_s('1f1b', LAYERS, m, t):.3f}" if zb else "",
             )
@@ -304,31 +314,23 @@ def main() -> None:
     if args.skip_layouts:
         return
 
-    t = args.layer_ms / 1e3
-    times = DeviceTimes(t, t, t)
-    predictions = profiles(times)
-    table = Table(
-        title=f"The tests' layouts: {LAYERS} emulated layers, F = I = W = {args.layer_ms:g} ms per layer, "
-        f"median over {args.rounds} rounds of {args.steps} steps"
+    times, predictions, table = new_table(
+        args.layer_ms,
+        f"The tests' layouts: {LAYERS} emulated layers, F = I = W = {args.layer_ms:g} ms per layer, "
+        f"median over {args.rounds} rounds of {args.steps} steps",
+        ("layout", "micro-batches", "schedule", "measured ms", "simulated ms", "measured / simulated"),
     )
-    columns = ("layout", "micro-batches", "schedule", "measured ms", "simulated ms", "measured / simulated")
-    for column in (*columns, "simulated ms, profiled", "measured / simulated "):
-        table.add_column(column, justify="left" if column == "layout" else "right")
     for name, (layout, microbatches) in LAYOUTS.items():
         results = measure(layout, microbatches, times, args, trace=False)
         for schedule in SCHEDULE_NAMES:
             measured = median_step_s(results, schedule)
             plan = make_plan(layout, microbatches, schedule)
-            simulated = {name: simulated_s(plan, profile, latency) for name, profile in predictions.items()}
             table.add_row(
                 name,
                 " + ".join(map(str, microbatches)),
                 schedule,
                 f"{measured * 1e3:.0f}",
-                f"{simulated['configured'] * 1e3:.0f}",
-                f"{measured / simulated['configured']:.3f}",
-                f"{simulated['profiled'] * 1e3:.0f}",
-                f"{measured / simulated['profiled']:.3f}",
+                *against_simulation(measured, plan, predictions, latency),
             )
     console.print(table)
 

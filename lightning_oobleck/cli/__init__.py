@@ -10,6 +10,7 @@ import sys
 _COMMAND_MODULES = (
     "lightning_oobleck.cli.join",
     "lightning_oobleck.cli.plan",
+    "lightning_oobleck.cli.simulate",
     "lightning_oobleck.cli.submit",
     "lightning_oobleck.cli.timeline",
 )

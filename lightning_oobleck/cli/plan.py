@@ -19,7 +19,6 @@ from lightning_oobleck.cli import CliError
 from lightning_oobleck.config import load_config
 from lightning_oobleck.planning.config import PlannerConfig
 from lightning_oobleck.planning.plan import Plan
-from lightning_oobleck.planning.planner import make_plan
 from lightning_oobleck.planning.reconfigure import Reconfiguration, after_failures, after_joins
 from lightning_oobleck.planning.schedules import SCHEDULE_NAMES
 
@@ -90,17 +89,7 @@ def run_plan(args: argparse.Namespace) -> int:
         raise CliError(
             f"--layers {args.layers} but the profile has {profile.num_layers} layers: drop --layers"
         )
-    plan = make_plan(
-        profile,
-        config.cluster,
-        fault_tolerance=config.fault_tolerance,
-        global_batch_size=config.global_batch,
-        microbatch_size=config.microbatch,
-        state_factor=config.state_factor,
-        exact_limit=config.exact_limit,
-        activation_checkpointing=config.activation_checkpointing,
-        schedule=config.schedule,
-    )
+    plan = config.make_plan(profile)
     _print(plan.to_dict(), plan, args.json)
     return 0
 

@@ -25,6 +25,7 @@ may not be coverable.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
 
 import numpy as np
@@ -56,6 +57,11 @@ def template_sizes(cost: CostModel, n0: int, num_nodes: int, fault_tolerance: in
 
 def max_parts(sizes: Sequence[int], total: int) -> int:
     """The most parts ``total`` splits into with every part in ``sizes`` (0 if it cannot be split)."""
+    return _max_parts(tuple(sorted(set(sizes))), total)
+
+
+@functools.lru_cache(maxsize=4096)
+def _max_parts(sizes: tuple[int, ...], total: int) -> int:
     best = np.full(total + 1, -1, dtype=np.int64)
     best[0] = 0
     for t in range(1, total + 1):

@@ -66,6 +66,11 @@ class PipelineTemplate:
     def __post_init__(self) -> None:
         if len(self.stage_times_s) != len(self.stages):
             raise ValueError("a template needs one stage time per stage")
+        object.__setattr__(self, "_hash", hash((self.num_nodes, self.stages, self.stage_times_s)))
+
+    def __hash__(self) -> int:
+        """Hashed once: the planner keys its dicts and sets by templates of up to hundreds of stages."""
+        return self._hash  # type: ignore[attr-defined]
 
     @property
     def num_layers(self) -> int:

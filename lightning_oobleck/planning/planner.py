@@ -177,7 +177,7 @@ def assemble_plan(
     counts = distribute_microbatches([t for t, _ in layouts], total)
     pipelines = tuple(Pipeline(t, nodes, m) for (t, nodes), m in zip(layouts, counts, strict=True))
     cost = inputs.cost()
-    tail = max(float(cost.template_tails_s(p.template, [len(pipelines)])[0]) for p in pipelines)
+    tail = max(float(cost.template_tails_s(t, [len(pipelines)])[0]) for t in {p.template for p in pipelines})
     return Plan(
         num_layers=inputs.profile.num_layers,
         gpus_per_node=inputs.cluster.gpus_per_node,

@@ -16,8 +16,9 @@ When survivors drop below ``(f + 1) n0``, the plan keeps the largest fault toler
 continue and :class:`ReconfigurationError` says how to resume.
 
 Joining nodes come with ids no plan used (:func:`reconfigure` takes them; :func:`after_joins` numbers
-them from the plan's ``next_node_id``). ``n0`` or more form new pipelines; fewer are added to the smallest
-pipelines that grow into a template size. Failures and joins seen at once are one reconfiguration.
+them from the plan's ``next_node_id``). They form new pipelines (``n0`` or more), or are added to the
+smallest pipelines that grow into a template size, whichever the cost model predicts faster. Failures and
+joins seen at once are one reconfiguration.
 
 The result carries the copy list: for every layer a worker must newly hold, a surviving worker that
 held it, preferring one on the same node and otherwise spreading the copies over the replicas.
@@ -25,6 +26,7 @@ held it, preferring one on the same node and otherwise spreading the copies over
 
 from __future__ import annotations
 
+import bisect
 import time
 from collections import Counter
 from collections.abc import Iterable, Sequence
@@ -55,32 +57,41 @@ class Reconfiguration:
 
 
 def _holdings(plan: Plan) -> dict[Worker, range]:
-    return {p.worker_of_stage(si): s.layers for p in plan.pipelines for si, s in enumerate(p.stages)}
+    return {(p.nodes[s.node], s.device): s.layers for p in plan.pipelines for s in p.stages}
 
 
 class _Layout:
     """Turns groups of node ids into pipelines, choosing node orders that move the fewest layers."""
 
-    def __init__(self, plan: Plan, alive: set[int]) -> None:
+    def __init__(self, plan: Plan, held: dict[Worker, range]) -> None:
         self.by_size = {t.num_nodes: t for t in plan.templates}
         self.sizes = sorted(self.by_size)
         self.n0 = plan.n0
-        holdings = {w: r for w, r in _holdings(plan).items() if w[0] in alive}
-        self.held = {w: set(r) for w, r in holdings.items()}
+        self.held = held
+        self.unchanged = {p.nodes for p in plan.pipelines}
         self.first_layer: dict[int, int] = {}
-        for (node, _), layers in holdings.items():
+        for (node, _), layers in held.items():
             self.first_layer[node] = min(self.first_layer.get(node, layers.start), layers.start)
 
     def moves(self, template: PipelineTemplate, nodes: Sequence[int]) -> int:
-        return sum(
-            len(set(s.layers) - self.held.get((nodes[s.node], s.device), set())) for s in template.stages
-        )
+        """Layers the workers of ``nodes`` must newly hold under ``template`` (ranges: contiguous)."""
+        total = 0
+        for s in template.stages:
+            held = self.held.get((nodes[s.node], s.device))
+            kept = 0 if held is None else max(0, min(s.end_layer, held.stop) - max(s.first_layer, held.start))
+            total += s.end_layer - s.first_layer - kept
+        return total
 
     def order(self, nodes: Sequence[int]) -> tuple[int, ...]:
         """``nodes`` as given or sorted by the first layer they held (new nodes last): fewer moves wins."""
+        if tuple(nodes) in self.unchanged:  # a whole pipeline of the plan: every worker keeps its layers
+            return tuple(nodes)
         template = self.by_size[len(nodes)]
+        as_given = self.moves(template, nodes)
+        if as_given == 0:
+            return tuple(nodes)
         by_layer = sorted(nodes, key=lambda n: (self.first_layer.get(n, float("inf")), nodes.index(n)))
-        return tuple(min((list(nodes), by_layer), key=lambda o: self.moves(template, o)))
+        return tuple(by_layer if self.moves(template, by_layer) < as_given else nodes)
 
     def borrow(self, needy: list[int], donor: list[int], count: int) -> tuple[list[int], list[int]]:
         """Move ``count`` nodes from the head or the tail of ``donor``, whichever moves fewer layers."""
@@ -141,23 +152,36 @@ def _resplit(groups: list[list[int]], layout: _Layout, parts: int) -> list[list[
     return out
 
 
-def _copies(plan: Plan, new_plan: Plan, alive: set[int]) -> tuple[LayerCopy, ...]:
+def _copies(plan: Plan, new_plan: Plan, held: dict[Worker, range]) -> tuple[LayerCopy, ...]:
     holders: dict[int, list[Worker]] = {}
-    held: dict[Worker, range] = {}
-    for worker, layers in _holdings(plan).items():
-        if worker[0] in alive:
-            held[worker] = layers
-            for layer in layers:
-                holders.setdefault(layer, []).append(worker)
+    starts = {t: [s.first_layer for s in t.stages] for t in plan.templates}
+
+    def holders_of(layer: int) -> list[Worker]:
+        """The live workers holding ``layer``, one per pipeline, in the plan's pipeline order."""
+        if layer not in holders:
+            found = []
+            for p in plan.pipelines:
+                worker = p.worker_of_stage(bisect.bisect_right(starts[p.template], layer) - 1)
+                if worker in held:
+                    found.append(worker)
+            holders[layer] = found
+        return holders[layer]
+
     load: Counter[Worker] = Counter()
     copies = []
+    unchanged = {(p.template, p.nodes) for p in plan.pipelines}
     for p in new_plan.pipelines:
+        if (p.template, p.nodes) in unchanged:
+            continue
         for si, stage in enumerate(p.stages):
             node, device = p.worker_of_stage(si)
+            kept = held.get((node, device))
+            if kept is not None and kept.start <= stage.first_layer and stage.end_layer <= kept.stop:
+                continue
             for layer in stage.layers:
-                if layer in held.get((node, device), ()):
+                if kept is not None and layer in kept:
                     continue
-                sources = holders[layer]
+                sources = holders_of(layer)
                 local = [w for w in sources if w[0] == node]
                 src = local[0] if local else min(sources, key=lambda w: (load[w], w))
                 load[src] += 1
@@ -166,7 +190,7 @@ def _copies(plan: Plan, new_plan: Plan, alive: set[int]) -> tuple[LayerCopy, ...
 
 
 def _finish(
-    plan: Plan, groups: list[list[int]], layout: _Layout, alive: set[int], started: float, next_node_id: int
+    plan: Plan, groups: list[list[int]], layout: _Layout, started: float, next_node_id: int
 ) -> Reconfiguration:
     inputs = _planner_inputs(plan)
     requested = inputs.fault_tolerance
@@ -194,7 +218,7 @@ def _finish(
         warnings,
     )
     new_plan = replace(new_plan, tied_layers=plan.tied_layers)
-    return Reconfiguration(new_plan, _copies(plan, new_plan, alive))
+    return Reconfiguration(new_plan, _copies(plan, new_plan, layout.held))
 
 
 def _planner_inputs(plan: Plan) -> PlannerInputs:
@@ -229,9 +253,12 @@ def after_joins(plan: Plan, count: int) -> Reconfiguration:
     return reconfigure(plan, joined=range(first_id, first_id + count))
 
 
-def reconfigure(plan: Plan, failed: Iterable[int] = (), joined: Iterable[int] = ()) -> Reconfiguration:
+def reconfigure(
+    plan: Plan, failed: Iterable[int] = (), joined: Iterable[int] = (), lengthen: bool = True
+) -> Reconfiguration:
     """The plan once the nodes ``failed`` are gone and the nodes ``joined`` (new ids, in the order given)
-    came, in one step, and the copies that fill every worker that newly holds a layer from a survivor."""
+    came, in one step, and the copies that fill every worker that newly holds a layer from a survivor.
+    ``lengthen=False``: joiners that can form pipelines of their own do so, whatever is faster."""
     started = time.perf_counter()
     failed, joined = set(failed), list(dict.fromkeys(joined))
     known = set(plan.nodes)
@@ -247,39 +274,46 @@ def reconfigure(plan: Plan, failed: Iterable[int] = (), joined: Iterable[int] = 
             f"only {len(alive)} node(s) survive but one pipeline needs n0={plan.n0}: no pipeline fits; "
             f"resume from the last checkpoint (Trainer.fit(ckpt_path=...)) on at least {plan.n0} nodes"
         )
-    covered = {layer for (node, _), layers in _holdings(plan).items() if node in alive for layer in layers}
+    held = {w: r for w, r in _holdings(plan).items() if w[0] in alive}
+    covered = {layer for layers in held.values() for layer in layers}
     if lost := sorted(set(range(plan.num_layers)) - covered):
         raise ReconfigurationError(
             f"every replica of layer {lost[0]} was on a failed node: training cannot continue in place; "
             "resume from the last checkpoint (Trainer.fit(ckpt_path=...)) on the remaining nodes"
         )
-    layout = _Layout(plan, alive)
+    layout = _Layout(plan, held)
     groups = [[n for n in p.nodes if n in alive] for p in plan.pipelines]
     if failed:
         groups = _repair(groups, layout, _target(plan, layout, len(alive)))
-    if joined:
-        groups = _add(groups, joined, layout, plan.num_microbatches)
-    total = len(alive) + len(joined)
-    groups = _repair(groups, layout, _target(plan, layout, total))
     next_id = max(_next_node_id(plan), max(joined, default=-1) + 1)
-    return _finish(plan, groups, layout, alive, started, next_id)
+    target = _target(plan, layout, len(alive) + len(joined))
+    options = _add(groups, joined, layout, plan.num_microbatches) if joined else [groups]
+    if not lengthen:
+        options = options[:1]
+    results = [_finish(plan, _repair(g, layout, target), layout, started, next_id) for g in options]
+    return min(results, key=lambda r: r.plan.iteration_time_s)
 
 
 def _next_node_id(plan: Plan) -> int:
     return int(plan.extra.get("next_node_id", max(plan.nodes) + 1))
 
 
-def _add(groups: list[list[int]], new: list[int], layout: _Layout, microbatches: int) -> list[list[int]]:
-    """``groups`` with the nodes ``new``: as new pipelines where they form one (and a pipeline still gets a
-    micro-batch), otherwise added to the smallest pipelines that grow into a template size."""
+def _add(
+    groups: list[list[int]], new: list[int], layout: _Layout, microbatches: int
+) -> list[list[list[int]]]:
+    """``groups`` with the nodes ``new``, both ways: as new pipelines where they form one (and a pipeline
+    still gets a micro-batch), and added to the smallest pipelines that grow into a template size. The
+    caller keeps the faster (a joiner that completes a shrunk pipeline often beats a pipeline of its own)."""
+    options = []
     parts = min(max_parts(layout.sizes, len(new)), microbatches - len(groups))
     if parts > 0:
-        return groups + _resplit([new], layout, parts)
+        options.append(groups + _resplit([new], layout, parts))
+    grown = [list(g) for g in groups]
     for node in new:
-        growable = [g for g in groups if len(g) + 1 in layout.sizes]
+        growable = [g for g in grown if len(g) + 1 in layout.sizes]
         if not growable:
-            grown = [*groups, [node]]
-            groups = _resplit(grown, layout, _fewest_parts(layout, len(groups), sum(map(len, grown))))
+            more = [*grown, [node]]
+            grown = _resplit(more, layout, _fewest_parts(layout, len(grown), sum(map(len, more))))
             continue
         min(growable, key=len).append(node)
-    return groups
+    return [*options, grown]

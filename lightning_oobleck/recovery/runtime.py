@@ -157,6 +157,11 @@ class JoinPolicy(str, enum.Enum):
     """Only to replace lost nodes: joiners wait, started, until the plan has fewer nodes than it was made
     for, and as many are admitted as were lost."""
 
+    @property
+    def lengthens(self) -> bool:
+        """Whether admitted nodes may lengthen running pipelines (when the cost model says it is faster)."""
+        return self is not JoinPolicy.WHOLE_TEMPLATE
+
     def nodes_to_admit(self, waiting: int, plan: Plan) -> int:
         """How many of ``waiting`` whole nodes to admit into ``plan`` now."""
         if waiting <= 0:
@@ -461,7 +466,7 @@ class Recovery:
             joined = sorted({w.node for w in records} - {w.node for w in members})
             if joined:
                 self._hand_over(membership, members, newest)
-            plan = next_plan(self.plan, membership, joined)
+            plan = next_plan(self.plan, membership, joined, self.join_policy.lengthens)
             event.mark("replanned")
             self._switch = _Switch(membership, event, plan)
             if self.ledger.done == newest:
@@ -487,6 +492,7 @@ class Recovery:
             return
         handover = {
             "plan": self.plan.to_dict(),
+            "lengthen": self.join_policy.lengthens,
             "ledger": Ledger(self.ledger.done, self.ledger.result, self.ledger.steps),
             "settings": [{k: v for k, v in g.items() if k != "params"} for g in self.optimizer.param_groups],
             "host": self.host.join_state(),
@@ -680,12 +686,14 @@ def _handover_key(membership: Membership) -> str:
 
 
 def next_plan(
-    plan: Plan, membership: Membership, joined: Sequence[int]
+    plan: Plan, membership: Membership, joined: Sequence[int], lengthen: bool = True
 ) -> Reconfiguration | ReconfigurationError:
     """The plan for ``membership`` from the layout ``plan`` the members hold (the nodes gone failed; the
-    nodes ``joined`` join), or why there is none: the same on every worker, joiners included."""
+    nodes ``joined`` join; ``lengthen``: they may lengthen running pipelines), or why there is none: the
+    same on every worker, joiners included."""
     try:
-        return reconfigure(plan, failed=set(plan.nodes) - set(membership.nodes), joined=joined)
+        failed = set(plan.nodes) - set(membership.nodes)
+        return reconfigure(plan, failed=failed, joined=joined, lengthen=lengthen)
     except ReconfigurationError as e:
         return e
 
@@ -757,7 +765,9 @@ def join_training(
                 )
             )
             joined = sorted({w.node for w, r in records.items() if r.get("joining")})
-            reconfiguration = next_plan(Plan.from_dict(handover["plan"]), membership, joined)
+            reconfiguration = next_plan(
+                Plan.from_dict(handover["plan"]), membership, joined, handover["lengthen"]
+            )
             if isinstance(reconfiguration, ReconfigurationError):
                 raise UnrecoverableFailure(f"the members cannot continue: {reconfiguration}")
             event.mark("replanned")

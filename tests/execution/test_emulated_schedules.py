@@ -30,7 +30,7 @@ LAYOUTS = {
         [[(0, 3), (3, 6), (6, 8)], [(0, 2), (2, 4), (4, 6), (6, 7), (7, 8)]], [6, 10], 2
     ),
 }
-STEPS = 2
+STEPS = 1
 
 
 @pytest.fixture(scope="module")

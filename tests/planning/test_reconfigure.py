@@ -149,6 +149,20 @@ def test_joining_nodes_get_fresh_ids_and_restore_the_guarantee() -> None:
     assert set(again.plan.nodes) - set(grown.plan.nodes) == {11}
 
 
+def test_a_node_back_completes_its_shrunk_pipeline_when_that_is_faster() -> None:
+    """Three 3-node pipelines and a 2-node one after a failure (n0 = 1): the returning node completes the
+    short pipeline (the first plan's speed again) rather than forming a slow 1-node pipeline of its own."""
+    profile = synthetic_gpt_profile(24, 4096, 2048, 1)
+    plan = make_plan(profile, ClusterSpec(12, 4), fault_tolerance=1, global_batch_size=256)
+    assert plan.n0 == 1 and sorted(len(p.nodes) for p in plan.pipelines) == [3, 3, 3, 3]
+    shrunk = after_failures(plan, [plan.nodes[1]]).plan
+    grown = after_joins(shrunk, 1)
+    check_reconfiguration(shrunk, set(), grown, added=1)
+    assert sorted(len(p.nodes) for p in grown.plan.pipelines) == [3, 3, 3, 3]
+    assert grown.plan.iteration_time_s == pytest.approx(plan.iteration_time_s)
+    assert grown.plan.iteration_time_s < shrunk.iteration_time_s
+
+
 @pytest.mark.parametrize("n0", [1, 2])
 def test_failures_and_joins_seen_at_once_are_one_reconfiguration(n0: int) -> None:
     plan = _plan(n0, 8, 2)
