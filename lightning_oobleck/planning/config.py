@@ -8,7 +8,7 @@ from typing import Any
 from lightning_oobleck.planning.batch import num_microbatches
 from lightning_oobleck.planning.cluster import ClusterSpec
 from lightning_oobleck.planning.plan import Plan
-from lightning_oobleck.planning.planner import make_plan
+from lightning_oobleck.planning.planner import PlannerInputs
 from lightning_oobleck.planning.profile import ModelProfile, synthetic_gpt_profile
 
 
@@ -71,14 +71,13 @@ class PlannerConfig:
 
     def make_plan(self, profile: ModelProfile | None = None) -> Plan:
         """The plan for this configuration (``profile``: the one :meth:`load_profile` gives, if loaded)."""
-        return make_plan(
+        inputs = PlannerInputs(
             profile if profile is not None else self.load_profile(),
             self.cluster,
-            fault_tolerance=self.fault_tolerance,
-            global_batch_size=self.global_batch,
-            microbatch_size=self.microbatch,
-            state_factor=self.state_factor,
-            exact_limit=self.exact_limit,
-            activation_checkpointing=self.activation_checkpointing,
-            schedule=self.schedule,
+            self.fault_tolerance,
+            self.state_factor,
+            self.exact_limit,
+            self.activation_checkpointing,
+            self.schedule,
         )
+        return inputs.make_plan(self.global_batch, self.microbatch)

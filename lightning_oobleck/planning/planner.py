@@ -45,6 +45,20 @@ class PlannerInputs:
             self.profile, self.cluster, self.state_factor, self.activation_checkpointing, self.schedule
         )
 
+    def make_plan(self, global_batch_size: int, microbatch_size: int | None = None) -> Plan:
+        """:func:`make_plan` from these inputs."""
+        return make_plan(
+            self.profile,
+            self.cluster,
+            fault_tolerance=self.fault_tolerance,
+            global_batch_size=global_batch_size,
+            microbatch_size=microbatch_size,
+            state_factor=self.state_factor,
+            exact_limit=self.exact_limit,
+            activation_checkpointing=self.activation_checkpointing,
+            schedule=self.schedule,
+        )
+
     def to_extra(self, next_node_id: int) -> dict[str, Any]:
         return {
             "profile": self.profile.to_dict(),

@@ -39,7 +39,7 @@ from dataclasses import dataclass, field, replace
 from typing import Literal
 
 from lightning_oobleck.planning.plan import LayerCopy, Plan
-from lightning_oobleck.planning.planner import PlannerInputs, PlanningError, make_plan
+from lightning_oobleck.planning.planner import PlannerInputs, PlanningError
 from lightning_oobleck.planning.reconfigure import (
     Reconfiguration,
     ReconfigurationError,
@@ -230,18 +230,11 @@ def _fresh_plan(plan: Plan, num_nodes: int, fault_tolerance: int) -> Plan | None
     """:func:`make_plan` for ``plan``'s job on ``num_nodes`` nodes (cached: every policy and trace of a
     simulation asks for the same few node counts)."""
     inputs = PlannerInputs.from_plan(plan)
+    cluster = replace(inputs.cluster, num_nodes=num_nodes)
     for f in range(fault_tolerance, -1, -1):
         try:
-            return make_plan(
-                inputs.profile,
-                replace(inputs.cluster, num_nodes=num_nodes),
-                fault_tolerance=f,
-                global_batch_size=plan.global_batch_size,
-                microbatch_size=plan.microbatch_size,
-                state_factor=inputs.state_factor,
-                exact_limit=inputs.exact_limit,
-                activation_checkpointing=inputs.activation_checkpointing,
-                schedule=inputs.schedule,
+            return replace(inputs, cluster=cluster, fault_tolerance=f).make_plan(
+                plan.global_batch_size, plan.microbatch_size
             )
         except (PlanningError, InfeasibleTemplateError, ValueError):
             continue
@@ -313,8 +306,10 @@ class _Machines:
         nodes = set(plan.nodes) if plan is not None else set()
         return [self.node_id[m] for m in machines if self.node_id.get(m) in nodes]
 
-    def relaunch(self, restarts: _Restarts) -> Plan | None:
-        """A restart from the last checkpoint on every machine up now, numbered afresh."""
+    def relaunch(self, restarts: _Restarts, t: float, interrupted: bool) -> Plan | None:
+        """Train to ``t`` (``interrupted``: a failure there), then restart from the last checkpoint on every
+        machine up, numbered afresh (``None``: too few for the model)."""
+        restarts.train_until(t, interrupted)
         up = [m for m in range(self.num_nodes) if m not in self.down]
         self.node_id = {machine: k for k, machine in enumerate(up)}
         return restarts.restart(len(up))
@@ -340,19 +335,30 @@ def _close(result: PolicyResult, clock: _Clock, pipelines: int) -> PolicyResult:
     return result
 
 
+def _start(
+    policy: PolicyName, plan: Plan, trace: Trace, costs: Costs, oobleck: bool
+) -> tuple[PlannerInputs, PolicyResult, _Clock, _Restarts, _Machines]:
+    """The pieces of a run of ``plan`` on ``trace``: checkpoints at Oobleck's interval and relaunches with
+    the requested ``f`` (``oobleck``), or at Young/Daly's with ``f = 0``."""
+    _check(plan, trace)
+    inputs = PlannerInputs.from_plan(plan)
+    result = PolicyResult(policy, trace.horizon_s, 0, _failure_free(plan, trace.horizon_s))
+    clock = _Clock(result)
+    if oobleck:
+        restarts = _Restarts(
+            clock, plan, inputs, costs, costs.oobleck_checkpoint_interval_s, inputs.fault_tolerance
+        )
+    else:
+        restarts = _Restarts(clock, plan, inputs, costs, _interval_s(inputs, costs, trace), 0)
+    restarts.start(plan)
+    return inputs, result, clock, restarts, _Machines(trace)
+
+
 def simulate_oobleck(
     plan: Plan, trace: Trace, costs: Costs = Costs(), on_event: OnEvent = None, rejoin: bool = True
 ) -> PolicyResult:
     """In-place recovery and rejoin on the real planner (see the module's docstring)."""
-    _check(plan, trace)
-    inputs = PlannerInputs.from_plan(plan)
-    result = PolicyResult("oobleck", trace.horizon_s, 0, _failure_free(plan, trace.horizon_s))
-    clock = _Clock(result)
-    restarts = _Restarts(
-        clock, plan, inputs, costs, costs.oobleck_checkpoint_interval_s, inputs.fault_tolerance
-    )
-    restarts.start(plan)
-    machines = _Machines(trace)
+    inputs, result, clock, restarts, machines = _start("oobleck", plan, trace, costs, oobleck=True)
     current: Plan | None = plan
     waiting: list[int] = []  # machines back, not yet admitted
 
@@ -377,12 +383,11 @@ def simulate_oobleck(
                 current = switch(after_failures(current, lost), started, costs.detection_s + costs.protocol_s)
             except ReconfigurationError:
                 result.events += 1
-                current = machines.relaunch(restarts)
+                current = machines.relaunch(restarts, t, interrupted=False)  # the step is already lost
             continue
         machines.down -= set(event.nodes)
         if current is None:  # the job is down: relaunch on the machines there are
-            restarts.train_until(t, interrupted=False)
-            current = machines.relaunch(restarts)
+            current = machines.relaunch(restarts, t, interrupted=False)
             result.events += current is not None
         elif rejoin:
             waiting += event.nodes
@@ -400,30 +405,21 @@ def simulate_checkpoint_restart(
     plan: Plan, trace: Trace, costs: Costs = Costs(), on_event: OnEvent = None
 ) -> PolicyResult:
     """Checkpoints and a whole-job restart after every loss of a running node (see the module's docstring)."""
-    _check(plan, trace)
-    inputs = PlannerInputs.from_plan(plan)
-    result = PolicyResult("checkpoint-restart", trace.horizon_s, 0, _failure_free(plan, trace.horizon_s))
-    clock = _Clock(result)
-    restarts = _Restarts(clock, plan, inputs, costs, _interval_s(inputs, costs, trace), 0)
-    restarts.start(plan)
-    machines = _Machines(trace)
+    _, result, clock, restarts, machines = _start("checkpoint-restart", plan, trace, costs, oobleck=False)
     current: Plan | None = plan
     for event in _events(trace, on_event):
         t = max(event.time_s, clock.t)
         if event.kind == "return":
             machines.down -= set(event.nodes)
             if current is None:
-                restarts.train_until(t, interrupted=False)
-                current = machines.relaunch(restarts)
+                current = machines.relaunch(restarts, t, interrupted=False)
                 result.events += current is not None
             continue
         lost = machines.running(event.nodes, current)
         machines.down |= set(event.nodes)
-        if not lost:
-            continue
-        result.events += 1
-        restarts.train_until(t, interrupted=True)
-        current = machines.relaunch(restarts)
+        if lost:
+            result.events += 1
+            current = machines.relaunch(restarts, t, interrupted=True)
     return _finish(result, restarts, trace.horizon_s, current)
 
 
