@@ -52,7 +52,7 @@ def test_two_joins_in_a_row_a_joiner_lost_while_receiving_and_a_join_with_a_fail
     steps = 40
     joins = (
         Join("a", after_step=1, faults=("kill-receive:0",)),
-        Join("b", after_step=3),
+        Join("b", after_step=3, after_exit="a"),
         Join("c", after_step=12),
         Join("d", after_step=22, kill_when_pending=3),
     )
@@ -62,7 +62,9 @@ def test_two_joins_in_a_row_a_joiner_lost_while_receiving_and_a_join_with_a_fail
     joined = {label: last(result, label, "registered")["node"] for label in "abcd"}
     admitted = [w.node for m in history if m.agreed_at is not None for w in m.added]
     assert admitted.count(joined["a"]) == 1 and joined["a"] not in history[-1].nodes
-    assert [n for n in admitted if n != joined["a"]] == [joined["b"], joined["c"], joined["d"]]
+    later = [n for n in admitted if n != joined["a"]]  # b and c in either order (b starts once a is gone)
+    assert sorted(later[:2]) == sorted([joined["b"], joined["c"]]) and later[2] == joined["d"]
+    assert all(len(m.added) == 1 for m in history if m.agreed_at is not None and m.added)
     final = last(result, 0, "recovered")
     assert final["f"] == 2 and sorted(n for p in final["pipelines"] for n in p) == sorted(
         {0, 1, 2, 4, 5, joined["b"], joined["c"], joined["d"]}

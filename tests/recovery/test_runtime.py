@@ -71,6 +71,9 @@ class Join:
     faults: tuple[str, ...] = ()
     kill_when_pending: int | None = None
     """A member node the test SIGKILLs as soon as this joiner registered (a failure while it waits)."""
+    after_exit: str | None = None
+    """Start only once the joiner of this label has exited too (joins one after the other, however long a
+    process takes to start on a loaded machine)."""
 
 
 def run_training(
@@ -135,7 +138,15 @@ def run_training(
         kill_when = {j.label: j.kill_when_pending for j in joins if j.kill_when_pending is not None}
         while waiting or kill_together or kill_when:
             assert time.monotonic() < deadline, "the training did not reach the joins and kills"
-            for join in [j for j in waiting if j.after_step is None or applied(j.after_step)]:
+            ready = [
+                j
+                for j in waiting
+                if (j.after_step is None or applied(j.after_step))
+                and (
+                    j.after_exit is None or (j.after_exit in procs and procs[j.after_exit].poll() is not None)
+                )
+            ]
+            for join in ready:
                 start(join.label, [f"--node-key={join.label}"], join.faults)
                 waiting.remove(join)
             for label in [x for x in kill_when if '"registered"' in _text(tmp_path / f"node{x}.jsonl")]:
