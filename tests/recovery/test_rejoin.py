@@ -46,15 +46,15 @@ def test_a_replacement_joins_after_a_failure_and_the_pipelines_grow_back(tmp_pat
 @pytest.mark.timeout(RUN_TIMEOUT_S + 60)
 def test_two_joins_in_a_row_a_joiner_lost_while_receiving_and_a_join_with_a_failure(tmp_path: Path) -> None:
     """Six nodes train; a joiner dies while it receives its layers (the members recover without it), two
-    more join one after the other (the pipelines grow to 4), and a member dies as soon as a fourth
+    more join after it (the pipelines grow to 4), and a member dies as soon as a fourth
     joiner registered: the failure and the join are one recovery. Every replica, the joiners' included,
     ends with the failure-free weights."""
-    steps = 40
+    steps = 60
     joins = (
         Join("a", after_step=1, faults=("kill-receive:0",)),
         Join("b", after_step=3, after_exit="a"),
         Join("c", after_step=12),
-        Join("d", after_step=22, kill_when_pending=3),
+        Join("d", after_step=22, kill_when_pending=3, after_admitted=("b", "c")),
     )
     result = run_training(tmp_path, steps, {}, joins=joins, step_sleep=0.2)
     check_run(result, steps, dead={"a", 3})
@@ -62,9 +62,9 @@ def test_two_joins_in_a_row_a_joiner_lost_while_receiving_and_a_join_with_a_fail
     joined = {label: last(result, label, "registered")["node"] for label in "abcd"}
     admitted = [w.node for m in history if m.agreed_at is not None for w in m.added]
     assert admitted.count(joined["a"]) == 1 and joined["a"] not in history[-1].nodes
-    later = [n for n in admitted if n != joined["a"]]  # b and c in either order (b starts once a is gone)
+    # b starts once a is gone, c after step 12: either may come first, or both in one generation
+    later = [n for n in admitted if n != joined["a"]]
     assert sorted(later[:2]) == sorted([joined["b"], joined["c"]]) and later[2] == joined["d"]
-    assert all(len(m.added) == 1 for m in history if m.agreed_at is not None and m.added)
     final = last(result, 0, "recovered")
     assert final["f"] == 2 and sorted(n for p in final["pipelines"] for n in p) == sorted(
         {0, 1, 2, 4, 5, joined["b"], joined["c"], joined["d"]}

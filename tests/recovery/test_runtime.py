@@ -74,6 +74,8 @@ class Join:
     after_exit: str | None = None
     """Start only once the joiner of this label has exited too (joins one after the other, however long a
     process takes to start on a loaded machine)."""
+    after_admitted: tuple[str, ...] = ()
+    """Start only once the joiners of these labels were admitted."""
 
 
 def run_training(
@@ -130,6 +132,14 @@ def run_training(
             for r in map(json.loads, path.read_text().splitlines())
         )
 
+    def ready(join: Join) -> bool:
+        """Whether ``join``'s process may start now."""
+        exited = join.after_exit is None or (
+            join.after_exit in procs and procs[join.after_exit].poll() is not None
+        )
+        admitted = all('"admitted"' in _text(tmp_path / f"node{x}.jsonl") for x in join.after_admitted)
+        return (join.after_step is None or applied(join.after_step)) and exited and admitted
+
     try:
         for node in range(NODES):
             start(node, [f"--node={node}"], faults.get(node, []))
@@ -138,15 +148,7 @@ def run_training(
         kill_when = {j.label: j.kill_when_pending for j in joins if j.kill_when_pending is not None}
         while waiting or kill_together or kill_when:
             assert time.monotonic() < deadline, "the training did not reach the joins and kills"
-            ready = [
-                j
-                for j in waiting
-                if (j.after_step is None or applied(j.after_step))
-                and (
-                    j.after_exit is None or (j.after_exit in procs and procs[j.after_exit].poll() is not None)
-                )
-            ]
-            for join in ready:
+            for join in [j for j in waiting if ready(j)]:
                 start(join.label, [f"--node-key={join.label}"], join.faults)
                 waiting.remove(join)
             for label in [x for x in kill_when if '"registered"' in _text(tmp_path / f"node{x}.jsonl")]:
