@@ -131,7 +131,8 @@ class _Clock:
         self.step_s = math.inf
         self.batch = 0
         self.step_started = 0.0
-        self.steps_since_mark = 0  # completed steps not yet made durable (checkpoint-restart)
+        self.pending = 0  # samples of completed steps since the last checkpoint
+        self.pending_s = 0.0  # and the training time they took
         self.durable = 0
 
     def set_rate(self, step_s: float, batch: int) -> None:
@@ -157,7 +158,8 @@ class _Clock:
         steps = self.completed(until)
         done_at = self.step_started + steps * self.step_s
         self._segment(self.t, until, self.batch / self.step_s if self.batch else 0.0)
-        self.steps_since_mark += steps
+        self.pending += steps * self.batch
+        self.pending_s += steps * self.step_s if steps else 0.0
         if interrupted:
             self.result.lost_s += max(0.0, until - max(done_at, self.t))
         self.t, self.step_started = until, (until if interrupted else done_at)
@@ -176,14 +178,14 @@ class _Clock:
         self.step_started = self.t
 
     def mark(self) -> None:
-        """The steps so far are kept whatever happens next (in place recovery; a checkpoint)."""
-        self.durable += self.steps_since_mark * self.batch
-        self.steps_since_mark = 0
+        """The steps so far are kept whatever happens next (a checkpoint; the end of the run)."""
+        self.durable += self.pending
+        self.pending, self.pending_s = 0, 0.0
 
     def roll_back(self) -> None:
         """Steps since the last mark are lost (a restart from a checkpoint)."""
-        self.result.lost_s += self.steps_since_mark * self.step_s
-        self.steps_since_mark = 0
+        self.result.lost_s += self.pending_s
+        self.pending, self.pending_s = 0, 0.0
 
 
 def copy_time_s(copies: Iterable[LayerCopy], inputs: PlannerInputs) -> float:
