@@ -13,6 +13,10 @@ real (``--fault``, repeatable):
 * ``kill-pending:0`` / ``kill-receive:0`` (a joiner, ``--node-key``): SIGKILL itself once registered
   (pending) / while it receives its layers.
 
+The run ends after ``--steps`` steps, or earlier at the step the test sets under :data:`STOP_KEY` in the
+store (every worker reads it at each step boundary: the test sets it a few steps ahead, once the joins it
+waits for are over).
+
 With ``--node-key`` instead of ``--node`` the worker is a joiner: it registers without a node id, waits
 to be admitted at a step boundary (:func:`join_training`) and trains on from the members' step.
 
@@ -56,6 +60,7 @@ from lightning_oobleck.recovery.runtime import (  # noqa: E402
 MAX_NORM = 0.5
 GROUP_TIMEOUT = timedelta(seconds=20)
 UNRECOVERABLE_EXIT = 3
+STOP_KEY = "test/stop_at_step"
 
 
 def clip_and_step(opt: torch.optim.Optimizer, norm_sq: float) -> None:
@@ -225,7 +230,8 @@ def main() -> None:
         report=report,
     )
     generation = recovery.generation
-    while recovery.ledger.steps < args.steps:
+    stop_at = args.steps
+    while recovery.ledger.steps < stop_at:
         try:
             recovery.train_step(batch, update)
         except UnrecoverableFailure as e:
@@ -237,6 +243,8 @@ def main() -> None:
             plan = recovery.plan
             pipelines = [list(p.nodes) for p in plan.pipelines]
             report("recovered", generation=generation, pipelines=pipelines, f=plan.fault_tolerance)
+        if store.check([STOP_KEY]):
+            stop_at = min(stop_at, int(store.get(STOP_KEY)))
     recovery.finish()
     torch.save({n: p.detach().clone() for n, p in recovery.module.named_parameters()}, args.out + ".pt")
     report("done", step=recovery.ledger.steps, generation=recovery.generation)

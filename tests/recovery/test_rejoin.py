@@ -27,10 +27,9 @@ def test_a_replacement_joins_after_a_failure_and_the_pipelines_grow_back(tmp_pat
     """Node 1 dies mid-1F1B at step 1: 5 nodes go on with 2 pipelines (f = 1). A replacement starts
     after step 2 and is admitted at a step boundary: 3 pipelines and f = 2 again. Another joiner dies
     while it waits to be admitted: it is dropped, nobody recovers."""
-    steps = 30
     joins = (Join("a", after_step=2), Join("b", after_step=2, faults=("kill-pending:0",)))
-    result = run_training(tmp_path, steps, {1: ["kill-forward:1"]}, joins=joins, step_sleep=0.2)
-    check_run(result, steps, dead={1, "b"})
+    result = run_training(tmp_path, 100, {1: ["kill-forward:1"]}, joins=joins, step_sleep=0.1)
+    check_run(result, result["steps"], dead={1, "b"})
     joiner = last(result, "a", "registered")["node"]
     assert joiner not in range(6)  # a fresh node id, never one the job had
     admitted = last(result, "a", "admitted")
@@ -49,20 +48,19 @@ def test_two_joins_in_a_row_a_joiner_lost_while_receiving_and_a_join_with_a_fail
     more join after it (the pipelines grow to 4), and a member dies as soon as a fourth
     joiner registered: the failure and the join are one recovery. Every replica, the joiners' included,
     ends with the failure-free weights."""
-    steps = 60
     joins = (
         Join("a", after_step=1, faults=("kill-receive:0",)),
         Join("b", after_step=3, after_exit="a"),
-        Join("c", after_step=12),
-        Join("d", after_step=22, kill_when_pending=3, after_admitted=("b", "c")),
+        Join("c", after_step=5),
+        Join("d", after_step=None, kill_when_pending=3, after_admitted=("b", "c")),
     )
-    result = run_training(tmp_path, steps, {}, joins=joins, step_sleep=0.2)
-    check_run(result, steps, dead={"a", 3})
+    result = run_training(tmp_path, 200, {}, joins=joins, step_sleep=0.1)
+    check_run(result, result["steps"], dead={"a", 3})
     history = result["history"]
     joined = {label: last(result, label, "registered")["node"] for label in "abcd"}
     admitted = [w.node for m in history if m.agreed_at is not None for w in m.added]
     assert admitted.count(joined["a"]) == 1 and joined["a"] not in history[-1].nodes
-    # b starts once a is gone, c after step 12: either may come first, or both in one generation
+    # b starts once a is gone, c after step 5: either may come first, or both in one generation
     later = [n for n in admitted if n != joined["a"]]
     assert sorted(later[:2]) == sorted([joined["b"], joined["c"]]) and later[2] == joined["d"]
     final = last(result, 0, "recovered")
@@ -80,15 +78,18 @@ def test_whole_template_admits_joiners_once_they_form_a_pipeline(tmp_path: Path)
     """``join_policy="whole_template"`` (n0 = 2 here): a first joiner waits, pending, until a second one
     registers; both are admitted in one generation, as a pipeline of their own. A third one never finds a
     partner: it waits until the training ends, and then ends too, with status 0."""
-    steps = 30
-    joins = (Join("a", after_step=1), Join("b", after_step=8), Join("c", after_step=12))
-    result = run_training(tmp_path, steps, {}, joins=joins, policy="whole_template", step_sleep=0.2)
-    check_run(result, steps, dead=set(), idle={"c"})
+    joins = (
+        Join("a", after_step=1),
+        Join("b", after_step=4),
+        Join("c", after_step=None, after_admitted=("a", "b"), never_admitted=True),
+    )
+    result = run_training(tmp_path, 100, {}, joins=joins, policy="whole_template", step_sleep=0.1)
+    check_run(result, result["steps"], dead=set(), idle={"c"})
     assert "the training ended before this worker was admitted" in last(result, "c", "not_admitted")["error"]
     joined = {last(result, label, "registered")["node"] for label in "ab"}
     (join,) = [m for m in result["history"] if m.added]
     assert {w.node for w in join.added} == joined
-    assert last(result, "a", "admitted")["step"] == last(result, "b", "admitted")["step"] >= 8
+    assert last(result, "a", "admitted")["step"] == last(result, "b", "admitted")["step"] >= 4
     assert [sorted(p) for p in last(result, 0, "recovered")["pipelines"]][-1] == sorted(joined)
 
 
@@ -96,12 +97,11 @@ def test_whole_template_admits_joiners_once_they_form_a_pipeline(tmp_path: Path)
 def test_a_hot_standby_waits_for_a_failure_and_replaces_the_lost_node(tmp_path: Path) -> None:
     """``join_policy="hot_standby"``: a spare that started early stays pending while the plan has all its
     nodes, and is admitted at the step boundary after node 2 dies, in its place."""
-    steps = 30
     joins = (Join("s", after_step=0),)
     result = run_training(
-        tmp_path, steps, {2: ["kill-forward:12"]}, joins=joins, policy="hot_standby", step_sleep=0.2
+        tmp_path, 100, {2: ["kill-forward:12"]}, joins=joins, policy="hot_standby", step_sleep=0.2
     )
-    check_run(result, steps, dead={2})
+    check_run(result, result["steps"], dead={2})
     registered = last(result, "s", "registered")["t"]
     killed = last(result, 2, "fault")["t"]
     assert registered < killed  # it waited, started, before the failure

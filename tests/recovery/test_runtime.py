@@ -22,7 +22,9 @@ import pytest
 import torch
 from execution.exec_workloads import CPU, SEED, global_batch, model, optimizer
 from gpt.model import gpt_loss
-from runtime_worker import MAX_NORM, UNRECOVERABLE_EXIT  # also makes tests/execution and examples/ importable
+
+# runtime_worker also makes tests/execution and examples/ importable
+from runtime_worker import MAX_NORM, STOP_KEY, UNRECOVERABLE_EXIT
 from torch.distributed import TCPStore
 
 from lightning_oobleck.execution import build_reference_model
@@ -37,6 +39,8 @@ WORKER = Path(__file__).with_name("runtime_worker.py")
 NODES = 6
 GLOBAL_BATCH = 12
 RUN_TIMEOUT_S = 150
+STOP_MARGIN = 4
+"""A run with joins ends this many steps after every joiner was admitted or gone: each trains a few steps."""
 
 
 def six_node_plan() -> Plan:
@@ -76,6 +80,8 @@ class Join:
     process takes to start on a loaded machine)."""
     after_admitted: tuple[str, ...] = ()
     """Start only once the joiners of these labels were admitted."""
+    never_admitted: bool = False
+    """It is expected to wait, pending, until the training ends: the run may end once it registered."""
 
 
 def run_training(
@@ -89,7 +95,9 @@ def run_training(
     step_sleep: float = 0.0,
 ) -> dict[str, Any]:
     """Run the 6-node training with ``faults[node]``; return each node's records, exit codes and weights
-    (keyed by node, and by label for the ``joins``).
+    (keyed by node, and by label for the ``joins``), and the steps trained: ``steps``, or with ``joins``
+    :data:`STOP_MARGIN` more than had been applied once every joiner was admitted or gone (``steps`` then
+    only bounds the run).
 
     ``kill_together``: nodes the test SIGKILLs within a millisecond once every node applied step 0.
     """
@@ -140,6 +148,26 @@ def run_training(
         admitted = all('"admitted"' in _text(tmp_path / f"node{x}.jsonl") for x in join.after_admitted)
         return (join.after_step is None or applied(join.after_step)) and exited and admitted
 
+    def settled(join: Join) -> bool:
+        """Whether ``join`` is over: admitted, gone, or (``never_admitted``) registered."""
+        text = _text(tmp_path / f"node{join.label}.jsonl")
+        return join.label in procs and (
+            procs[join.label].poll() is not None
+            or '"admitted"' in text
+            or (join.never_admitted and '"registered"' in text)
+        )
+
+    def last_applied() -> int:
+        return max(
+            (
+                r["step"]
+                for path in tmp_path.glob("node*.jsonl")
+                for r in map(json.loads, path.read_text().splitlines())
+                if r["kind"] == "applied"
+            ),
+            default=-1,
+        )
+
     try:
         for node in range(NODES):
             start(node, [f"--node={node}"], faults.get(node, []))
@@ -158,6 +186,13 @@ def run_training(
                     procs[node].send_signal(signal.SIGKILL)
                 kill_together = frozenset()
             time.sleep(0.01)
+        while joins and not all(settled(j) for j in joins):
+            assert time.monotonic() < deadline, "the joins did not end"
+            time.sleep(0.01)
+        trained = steps
+        if joins:
+            trained = min(steps, last_applied() + 1 + STOP_MARGIN)
+            store.set(STOP_KEY, str(trained))
         codes = {}
         for label, proc in list(procs.items()):
             codes[label] = proc.wait(timeout=max(1.0, deadline - time.monotonic()))
@@ -182,7 +217,13 @@ def run_training(
         for label in procs
         if (tmp_path / f"node{label}.jsonl.pt").exists()
     }
-    return {"codes": codes, "records": records, "weights": weights, "history": coordinator.history}
+    return {
+        "codes": codes,
+        "records": records,
+        "weights": weights,
+        "history": coordinator.history,
+        "steps": trained,
+    }
 
 
 def _text(path: Path) -> str:

@@ -18,7 +18,7 @@ from test_realistic_loop import LoopFaults, RealisticNet, check_loop, fit_loop
 from test_realistic_loop import loop_reference as loop_reference  # the fixture
 
 COLLECTIVE_TIMEOUT_S = 10.0  # above the loop's heartbeat timeout (8 s)
-SLOW_S = 2.5 * COLLECTIVE_TIMEOUT_S
+SLOW_S = 1.5 * COLLECTIVE_TIMEOUT_S
 
 
 class SlowRankZero(RealisticNet):
