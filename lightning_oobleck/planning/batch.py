@@ -9,6 +9,7 @@ the slowest pipeline before the gradient all-reduce.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
 
 import numpy as np
@@ -59,8 +60,22 @@ def distribute_microbatches(templates: Sequence[PipelineTemplate], total: int) -
     branching without changing the optimum.
     """
     _check(len(templates), total)
-    kinds = list(dict.fromkeys(templates))
-    x = np.array([sum(t == kind for t in templates) for kind in kinds], dtype=np.float64)
+    kinds = tuple(dict.fromkeys(templates))
+    x = tuple(sum(t == kind for t in templates) for kind in kinds)
+    per_kind = dict(zip(kinds, _per_kind(kinds, x, total), strict=True))
+    counts, seen = [], dict.fromkeys(kinds, 0)
+    for t in templates:
+        share, extra = divmod(per_kind[t], x[kinds.index(t)])
+        counts.append(share + (seen[t] < extra))
+        seen[t] += 1
+    return counts
+
+
+@functools.lru_cache(maxsize=4096)
+def _per_kind(kinds: tuple[PipelineTemplate, ...], pipelines: tuple[int, ...], total: int) -> tuple[int, ...]:
+    """Micro-batches per kind (the program of :func:`distribute_microbatches`), cached: re-planning after
+    each failure or join meets the same mixes of pipelines again and again."""
+    x = np.array(pipelines, dtype=np.float64)
     a = np.array([t.fill_s for t in kinds])
     c = np.array([t.slope_s for t in kinds])
     n = len(kinds)
@@ -85,17 +100,12 @@ def distribute_microbatches(templates: Sequence[PipelineTemplate], total: int) -
     )
     if not result.success:
         raise BatchError(f"the batch-distribution program failed: {result.message}")
-    per_kind = {kind: round(t) for kind, t in zip(kinds, result.x[n : 2 * n], strict=True)}
-    if sum(per_kind.values()) != total:
+    per_kind = tuple(round(t) for t in result.x[n : 2 * n])
+    if sum(per_kind) != total:
         raise BatchError(
-            f"the batch-distribution program returned {sum(per_kind.values())} micro-batches, not {total}"
+            f"the batch-distribution program returned {sum(per_kind)} micro-batches, not {total}"
         )
-    counts, seen = [], dict.fromkeys(kinds, 0)
-    for t, pipelines in zip(templates, x[[kinds.index(t) for t in templates]], strict=True):
-        share, extra = divmod(per_kind[t], int(pipelines))
-        counts.append(share + (seen[t] < extra))
-        seen[t] += 1
-    return counts
+    return per_kind
 
 
 def min_slowest_time(sums: np.ndarray, maxes: np.ndarray, counts: np.ndarray, total: int) -> float:
