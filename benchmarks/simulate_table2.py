@@ -27,9 +27,9 @@ from rich.table import Table
 
 from lightning_oobleck.planning import ClusterSpec, make_plan, synthetic_gpt_profile
 from lightning_oobleck.simulation import Costs, fixed_interval_trace, mttf_trace, simulate
+from lightning_oobleck.simulation.config import HOUR_S
 
-HOUR = 3600.0
-INTERVALS = {"6h": 6 * HOUR, "1h": HOUR, "10m": 600.0}
+INTERVALS = {"6h": 6 * HOUR_S, "1h": HOUR_S, "10m": 600.0}
 
 
 @dataclass(frozen=True)
@@ -100,7 +100,7 @@ def scale(console: Console) -> None:
         profile, cluster, fault_tolerance=2, global_batch_size=4096, activation_checkpointing="auto"
     )
     planned = time.perf_counter() - started
-    trace = mttf_trace(2048, 54 * 24 * HOUR / 419, 54 * 24 * HOUR, repair_mean_s=4 * HOUR, seed=0)
+    trace = mttf_trace(2048, 54 * 24 * HOUR_S / 419, 54 * 24 * HOUR_S, repair_mean_s=4 * HOUR_S, seed=0)
     table = Table(
         title=f"2,048 nodes x 8 GPUs, 54 days, {trace.failures} failures (Llama 3's rate), 4 h repairs"
     )
@@ -116,8 +116,8 @@ def scale(console: Console) -> None:
             policy,
             f"{result.samples_per_s:.1f}",
             f"{result.effective_ratio:.3f}",
-            f"{result.recovery_s / HOUR:.1f}",
-            f"{result.lost_s / HOUR:.1f}",
+            f"{result.recovery_s / HOUR_S:.1f}",
+            f"{result.lost_s / HOUR_S:.1f}",
             str(result.events),
             f"{wall:.1f}",
             f"{wall / max(len(trace.events), 1) * 1e3:.1f}",

@@ -2,9 +2,12 @@
 
 Real: ``Trainer.fit`` with ``OobleckStrategy`` on 6 CPU processes, each a node, f = 2, training a
 ``PipelineModule`` of emulated layers (:mod:`lightning_oobleck.testing`: each layer sleeps its set compute
-time, so 6 processes on 2 cores behave like 6 devices of known speed) on the planner's plan. Two nodes
-SIGKILL themselves at set times after the first step, wherever the schedule is then; the survivors recover
-in place and train on. The run's event file says when each step ended and each recovery resumed.
+time, so 6 processes on 2 cores behave like 6 devices of known speed) on the planner's plan, in the loop
+users run (a DataLoader worker per process, AdamW with a per-step LR schedule, gradient clipping, a CSV
+logger; no validation runs, which the simulator does not model). Two nodes SIGKILL themselves at set times
+after the first step (:class:`~lightning_oobleck.lightning.callbacks.KillAt` with ``after_s``), wherever the
+schedule is then; the survivors recover in place and train on. The run's event file says when each step
+ended and each recovery resumed.
 
 Predicted: :func:`~lightning_oobleck.simulation.simulate_oobleck` on the same plan, with a trace of the same
 two losses at the measured kill times, the default :class:`~lightning_oobleck.simulation.Costs`, over the
@@ -22,11 +25,8 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import signal
 import statistics
 import tempfile
-import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -34,6 +34,7 @@ from typing import Any
 
 import lightning as L
 import torch
+from lightning.pytorch.loggers import CSVLogger
 from rich.console import Console
 from rich.table import Table
 from torch import Tensor, nn
@@ -41,6 +42,7 @@ from torch.nn import functional as F
 from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_oobleck.lightning import OobleckStrategy, PipelineModule
+from lightning_oobleck.lightning.callbacks import KillAt
 from lightning_oobleck.lightning.units import EVENTS_FILE
 from lightning_oobleck.planning import ClusterSpec, make_plan
 from lightning_oobleck.planning.plan import Plan
@@ -74,7 +76,8 @@ def job_plan() -> Plan:
 
 
 class EmulatedNet(PipelineModule, L.LightningModule):
-    """Emulated layers (``y = x + bias``, sleeping their compute time), a mean squared error, SGD."""
+    """Emulated layers (``y = x + bias``, sleeping their compute time), a mean squared error, AdamW with a
+    cosine schedule stepped per step."""
 
     def configure_layers(self) -> list[nn.Module]:
         return emulated_layers(LAYERS, WIDTH, TIMES)
@@ -82,25 +85,33 @@ class EmulatedNet(PipelineModule, L.LightningModule):
     def compute_loss(self, output: Tensor, target: Tensor) -> Tensor:
         return F.mse_loss(output, target)
 
-    def configure_optimizers(self) -> torch.optim.Optimizer:
-        return torch.optim.SGD(self.parameters(), lr=0.01)
+    def configure_optimizers(self) -> Any:
+        optimizer = torch.optim.AdamW(self.parameters(), lr=0.01)
+        schedule = torch.optim.lr_scheduler.CosineAnnealingLR(optimizer, T_max=100)
+        return {"optimizer": optimizer, "lr_scheduler": {"scheduler": schedule, "interval": "step"}}
 
 
-class KillAt(L.Callback):
-    """SIGKILLs node ``n`` ``kills[n]`` seconds after its first step ended; the rank 0 of each generation
-    records the pipelines it trains on."""
+class TimedKill(KillAt):
+    """:class:`KillAt` ``after_s`` seconds into step 1, writing the moment of the kill to ``out``."""
 
-    def __init__(self, out: Path, kills: dict[int, float]) -> None:
-        self.out, self.kills = out, kills
+    def __init__(self, out: Path, rank: int, after_s: float) -> None:
+        super().__init__(rank, step=1, after_s=after_s)
+        self.out = out
+
+    def kill(self) -> None:
+        (self.out / f"killed-{self.rank}").write_text(str(time.time()))
+        super().kill()
+
+
+class PlanLog(L.Callback):
+    """The rank 0 of each generation records the pipelines it trains on."""
+
+    def __init__(self, out: Path) -> None:
+        self.out = out
         self.generation = -1
 
     def on_train_batch_end(self, trainer: L.Trainer, *args: Any) -> None:
         strategy = trainer.strategy
-        node = strategy._environment().worker[0]
-        if trainer.global_step == 1 and node in self.kills:
-            timer = threading.Timer(self.kills[node], self._kill, args=(node,))
-            timer.daemon = True  # a kill due after the run's end never happens
-            timer.start()
         generation = strategy.engine.groups.generation
         if trainer.is_global_zero and generation != self.generation:
             self.generation = generation
@@ -108,13 +119,11 @@ class KillAt(L.Callback):
             with open(self.out / "plans.jsonl", "a") as f:
                 f.write(json.dumps({"generation": generation, "pipelines": pipelines}) + "\n")
 
-    def _kill(self, node: int) -> None:
-        (self.out / f"killed-{node}").write_text(str(time.time()))
-        os.kill(os.getpid(), signal.SIGKILL)
-
 
 def fit(out: Path, steps: int, kills: dict[int, float]) -> Plan:
-    """The real run: ``steps`` steps on the job's plan, node ``n`` killed ``kills[n]`` s after step 0."""
+    """The real run: ``steps`` steps on the job's plan, node ``n`` killed ``kills[n]`` s into step 1 (each
+    node is one process: its rank), in the loop users run: loader worker processes, an LR schedule,
+    gradient clipping, a logger."""
     plan = job_plan()
     (out / "plan.json").write_text(plan.to_json())
     strategy = OobleckStrategy(
@@ -133,14 +142,17 @@ def fit(out: Path, steps: int, kills: dict[int, float]) -> Plan:
         devices=NODES,
         strategy=strategy,
         max_steps=steps,
-        callbacks=[KillAt(out, kills)],
-        logger=False,
+        gradient_clip_val=1.0,
+        callbacks=[PlanLog(out), *(TimedKill(out, node, after_s) for node, after_s in kills.items())],
+        logger=CSVLogger(out),
+        log_every_n_steps=1,
         enable_checkpointing=False,
         enable_progress_bar=False,
         enable_model_summary=False,
         default_root_dir=out,
     )
-    trainer.fit(EmulatedNet(), DataLoader(data, batch_size=GLOBAL_BATCH, shuffle=True))
+    loader = DataLoader(data, batch_size=GLOBAL_BATCH, shuffle=True, num_workers=1, persistent_workers=True)
+    trainer.fit(EmulatedNet(), loader)
     return plan
 
 
@@ -183,9 +195,15 @@ def _layout(pipelines: list[list[int]]) -> str:
     return " ".join("[" + ",".join(map(str, nodes)) + "]" for nodes in pipelines)
 
 
+def events_file(out: Path) -> Path:
+    """The run's event file (in the logger's directory)."""
+    (path,) = out.rglob(EVENTS_FILE)
+    return path
+
+
 def analyse(out: Path, plan: Plan) -> Validation:
     """Compare the real run in ``out`` with :func:`simulate_oobleck` of ``plan`` on its kill times."""
-    steps, recoveries = read_events(out / EVENTS_FILE)
+    steps, recoveries = read_events(events_file(out))
     origin = steps[0]["time"]
     kills = sorted(
         ((int(p.name.split("-")[1]), float(p.read_text()) - origin) for p in out.glob("killed-*")),
@@ -265,7 +283,7 @@ def plot(out: Path, plan: Plan, v: Validation, path: str) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    steps, _ = read_events(out / EVENTS_FILE)
+    steps, _ = read_events(events_file(out))
     origin = steps[0]["time"]
     real_t, real_n = [0.0], [0]
     for s in steps[1:]:

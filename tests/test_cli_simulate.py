@@ -9,7 +9,7 @@ import pytest
 from lightning_oobleck.cli import main
 
 JOB = ["simulate", "--layers", "16", "--nodes", "8", "--gpus-per-node", "1", "--global-batch", "256"]
-JOB += ["--set", "job.microbatch=2", "--set", "job.model.hidden=1024", "--set", "job.model.seq_len=1024"]
+JOB += ["--microbatch", "2", "--set", "job.model.hidden=1024", "--set", "job.model.seq_len=1024"]
 FIXED = ["--set", "trace.kind=fixed", "--set", "trace.removals=3", "--set", "trace.interval_h=0.5"]
 
 

@@ -19,6 +19,7 @@ from lightning_oobleck.cli import CliError
 from lightning_oobleck.config import load_config
 from lightning_oobleck.planning.config import PlannerConfig
 from lightning_oobleck.planning.plan import Plan
+from lightning_oobleck.planning.profile import ModelProfile
 from lightning_oobleck.planning.reconfigure import Reconfiguration, after_failures, after_joins
 from lightning_oobleck.planning.schedules import SCHEDULE_NAMES
 
@@ -36,27 +37,50 @@ _FLAG_KEYS = {
 """Command-line flags and the configuration keys they override."""
 
 
+def add_job_arguments(parser: argparse.ArgumentParser, prefix: str = "") -> None:
+    """The job's flags (model, cluster, f, batch, schedule), each overriding its configuration key under
+    ``prefix`` (see :func:`job_overrides`)."""
+    parser.add_argument("--layers", type=int, help=f"layers of the synthetic GPT ({prefix}model.layers)")
+    parser.add_argument("--nodes", type=int, help=f"nodes in the cluster ({prefix}cluster.num_nodes)")
+    parser.add_argument("--gpus-per-node", type=int, help=f"GPUs per node ({prefix}cluster.gpus_per_node)")
+    parser.add_argument("--fault-tolerance", type=int, help="simultaneous node failures to survive (f)")
+    parser.add_argument("--global-batch", type=int, help="samples per optimizer step (B)")
+    parser.add_argument("--microbatch", type=int, help="samples per micro-batch (b)")
+    parser.add_argument("--profile", help="measured layer profile JSON (replaces the synthetic model)")
+    parser.add_argument(
+        "--activation-checkpointing",
+        choices=["false", "true", "auto"],
+        help="recompute activations: never, on every stage, or where a split would not fit otherwise",
+    )
+    parser.add_argument(
+        "--schedule", choices=list(SCHEDULE_NAMES), help="the pipeline schedule the plan runs (default 1f1b)"
+    )
+
+
+def job_overrides(args: argparse.Namespace, prefix: str = "") -> list[str]:
+    """``--set`` overrides for the job's flags that were given (:func:`add_job_arguments`)."""
+    return [
+        f"{prefix}{key}={getattr(args, flag)}"
+        for flag, key in _FLAG_KEYS.items()
+        if getattr(args, flag) is not None
+    ]
+
+
+def job_profile(config: PlannerConfig, layers: int | None) -> ModelProfile:
+    """The job's profile; ``--layers`` (``layers``) must agree with a measured one."""
+    profile = config.load_profile()
+    if layers is not None and profile.num_layers != layers:
+        raise CliError(f"--layers {layers} but the profile has {profile.num_layers} layers: drop --layers")
+    return profile
+
+
 def register(subparsers: argparse._SubParsersAction) -> None:
     """Add ``oobleck plan`` and ``oobleck replan`` to the ``oobleck`` command."""
     plan = subparsers.add_parser(
         "plan", help="plan pipelines for a cluster", description="Plan pipelines with the f+1 guarantee."
     )
-    plan.add_argument("--layers", type=int, help="layers of the synthetic GPT model (model.layers)")
-    plan.add_argument("--nodes", type=int, help="nodes in the cluster (cluster.num_nodes)")
-    plan.add_argument("--gpus-per-node", type=int, help="GPUs per node (cluster.gpus_per_node)")
-    plan.add_argument("--fault-tolerance", type=int, help="simultaneous node failures to survive (f)")
-    plan.add_argument("--global-batch", type=int, help="samples per optimizer step (B)")
-    plan.add_argument("--microbatch", type=int, help="samples per micro-batch (b)")
-    plan.add_argument("--profile", help="measured layer profile JSON (replaces the synthetic model)")
+    add_job_arguments(plan)
     plan.add_argument("--config", help="YAML file with planner settings (PlannerConfig)")
-    plan.add_argument(
-        "--activation-checkpointing",
-        choices=["false", "true", "auto"],
-        help="recompute activations: never, on every stage, or where a split would not fit otherwise",
-    )
-    plan.add_argument(
-        "--schedule", choices=list(SCHEDULE_NAMES), help="the pipeline schedule the plan runs (default 1f1b)"
-    )
     plan.add_argument(
         "--set",
         action="append",
@@ -79,17 +103,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
 
 def run_plan(args: argparse.Namespace) -> int:
-    overrides = list(args.set)
-    overrides += [
-        f"{key}={getattr(args, flag)}" for flag, key in _FLAG_KEYS.items() if getattr(args, flag) is not None
-    ]
-    config = load_config(PlannerConfig, args.config, overrides)
-    profile = config.load_profile()
-    if args.layers is not None and profile.num_layers != args.layers:
-        raise CliError(
-            f"--layers {args.layers} but the profile has {profile.num_layers} layers: drop --layers"
-        )
-    plan = config.make_plan(profile)
+    config = load_config(PlannerConfig, args.config, list(args.set) + job_overrides(args))
+    plan = config.make_plan(job_profile(config, args.layers))
     _print(plan.to_dict(), plan, args.json)
     return 0
 

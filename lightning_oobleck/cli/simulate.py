@@ -17,19 +17,11 @@ from rich.console import Console
 from rich.progress import Progress
 from rich.table import Table
 
+from lightning_oobleck.cli.plan import add_job_arguments, job_overrides, job_profile
 from lightning_oobleck.config import load_config
 from lightning_oobleck.simulation.config import HOUR_S, SimulateConfig
 from lightning_oobleck.simulation.simulator import PolicyResult, simulate
 from lightning_oobleck.simulation.trace import Trace
-
-_FLAGS = {
-    "layers": "job.model.layers",
-    "nodes": "job.cluster.num_nodes",
-    "gpus_per_node": "job.cluster.gpus_per_node",
-    "fault_tolerance": "job.fault_tolerance",
-    "global_batch": "job.global_batch",
-    "horizon_h": "horizon_h",
-}
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -41,11 +33,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         "planner, once per recovery policy, and compare what each trains.",
     )
     parser.add_argument("--config", help="YAML file with a SimulateConfig (job, trace, horizon_h, policies)")
-    parser.add_argument("--layers", type=int, help="layers of the synthetic GPT model (job.model.layers)")
-    parser.add_argument("--nodes", type=int, help="nodes in the cluster (job.cluster.num_nodes)")
-    parser.add_argument("--gpus-per-node", type=int, help="GPUs per node (job.cluster.gpus_per_node)")
-    parser.add_argument("--fault-tolerance", type=int, help="f of the job's plan (job.fault_tolerance)")
-    parser.add_argument("--global-batch", type=int, help="samples per step (job.global_batch)")
+    add_job_arguments(parser, prefix="job.")
     parser.add_argument("--horizon-h", type=float, help="simulated hours (horizon_h)")
     parser.add_argument(
         "--set", action="append", default=[], metavar="KEY=VALUE", help="any setting, e.g. trace.kind=mttf"
@@ -56,15 +44,15 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    overrides = list(args.set) + [
-        f"{key}={getattr(args, flag)}" for flag, key in _FLAGS.items() if getattr(args, flag) is not None
-    ]
+    overrides = list(args.set) + job_overrides(args, prefix="job.")
+    if args.horizon_h is not None:
+        overrides.append(f"horizon_h={args.horizon_h}")
     config = load_config(SimulateConfig, args.config, overrides)
     console = Console(stderr=args.json)
     if not console.is_terminal:
         console.width = 160  # a file or a pipe: keep the table's rows whole
     started = time.perf_counter()
-    plan = config.job.make_plan()
+    plan = config.job.make_plan(job_profile(config.job, args.layers))
     trace = config.make_trace()
     total = len(trace.events) * len(config.policies)
     with Progress(console=console, transient=True, disable=total < 200) as progress:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 import signal
+import threading
 from typing import Any, Literal
 
 import lightning as L
@@ -46,12 +47,20 @@ class PlanSummary(L.Callback):
 class KillAt(L.Callback):
     """Make the process launched as global rank ``rank`` fail when training reaches step ``step``: ``by``
     ``"sigkill"`` (a crash) or ``"exception"`` (an error in the training code, such as running out of
-    memory)."""
+    memory). With ``after_s`` the SIGKILL comes that many seconds later, from a timer: wherever the
+    schedule, a recovery or the next steps are then, as a real crash would."""
 
-    def __init__(self, rank: int, step: int, by: Literal["sigkill", "exception"] = "sigkill") -> None:
+    def __init__(
+        self, rank: int, step: int, by: Literal["sigkill", "exception"] = "sigkill", after_s: float = 0.0
+    ) -> None:
         if by not in ("sigkill", "exception"):
             raise ValueError(f"KillAt(by={by!r}): choose 'sigkill' or 'exception'")
-        self.rank, self.step, self.by = rank, step, by
+        if after_s < 0 or (after_s > 0 and by != "sigkill"):
+            raise ValueError(
+                f"KillAt(after_s={after_s!r}, by={by!r}): a delay must be >= 0, and only a SIGKILL can come "
+                "later (an exception raised by a timer would not reach the training)"
+            )
+        self.rank, self.step, self.by, self.after_s = rank, step, by, after_s
 
     def on_train_batch_start(self, trainer: L.Trainer, *args: Any) -> None:
         strategy = trainer.strategy
@@ -62,6 +71,15 @@ class KillAt(L.Callback):
             return
         if self.by == "exception":
             raise RuntimeError(f"KillAt: an error in rank {self.rank} at step {self.step} (a demo)")
+        if self.after_s > 0:
+            timer = threading.Timer(self.after_s, self.kill)
+            timer.daemon = True  # a kill due after the training ended never comes
+            timer.start()
+        else:
+            self.kill()
+
+    def kill(self) -> None:
+        """SIGKILL this process."""
         Console().print(f"[bold red]KillAt: SIGKILL to rank {self.rank} (pid {os.getpid()})")
         os.kill(os.getpid(), signal.SIGKILL)
 

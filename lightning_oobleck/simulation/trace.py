@@ -13,6 +13,7 @@ back joins a training under a new id). It comes from a file (JSON, :meth:`Trace.
 
 from __future__ import annotations
 
+import heapq
 import json
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -130,13 +131,13 @@ def poisson_trace(
     rng = np.random.default_rng(seed)
     rate = failures_per_node_day / DAY_S
     alive = set(range(num_nodes))
-    returns: list[tuple[float, int]] = []  # (time, node), kept sorted
+    returns: list[tuple[float, int]] = []  # (time, node), a heap
     events: list[NodeEvent] = []
     t = 0.0
     while rate > 0:
         wait = rng.exponential(1.0 / (rate * len(alive))) if alive else np.inf
         if returns and returns[0][0] <= t + wait:
-            t, node = returns.pop(0)
+            t, node = heapq.heappop(returns)
             if t >= horizon_s:
                 break
             alive.add(node)
@@ -154,8 +155,8 @@ def poisson_trace(
         alive -= set(lost)
         events.append(NodeEvent(t, "fail", lost))
         if repair_mean_s is not None:
-            returns.extend((t + float(rng.exponential(repair_mean_s)), n) for n in lost)
-            returns.sort()
+            for n in lost:
+                heapq.heappush(returns, (t + float(rng.exponential(repair_mean_s)), n))
     return Trace(num_nodes, horizon_s, tuple(events))
 
 

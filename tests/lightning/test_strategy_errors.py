@@ -15,6 +15,7 @@ from pipeline_testing import GLOBAL_BATCH, MICRO, TinyNet, train_loader
 from torch import nn
 
 from lightning_oobleck.lightning import MissingPipelineHookError, OobleckStrategy, PipelineModule
+from lightning_oobleck.lightning.callbacks import KillAt
 from lightning_oobleck.lightning.config import OobleckConfig
 from lightning_oobleck.lightning.launcher import LaunchError
 from lightning_oobleck.lightning.module import meta_layers
@@ -200,3 +201,16 @@ def test_batch_sizes_default_to_the_loaders_batch_and_two_microbatches_per_proce
     hint = r"found no training DataLoader batch_size .*OobleckStrategy\(global_batch_size=64\)"
     with pytest.raises(ValueError, match=hint):
         OobleckConfig().with_batch(None, 4)
+
+
+@pytest.mark.parametrize(
+    ("options", "message"),
+    [
+        ({"by": "exception", "after_s": 2.0}, "only a SIGKILL can come later"),
+        ({"after_s": -1.0}, "a delay must be >= 0"),
+        ({"by": "oom"}, "choose 'sigkill' or 'exception'"),
+    ],
+)
+def test_a_fault_drill_that_cannot_happen_is_refused(options: dict, message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        KillAt(1, 5, **options)
