@@ -4,7 +4,7 @@ Importing the package registers the strategy name ``"oobleck"`` with Lightning's
 importing Lightning itself: if Lightning is loaded already the name is registered at once, otherwise as soon
 as ``lightning.pytorch`` is imported. So the ``oobleck`` command, the coordinator and the SLURM rendezvous,
 which import this package but not Lightning, start in a fraction of a second. ``OobleckStrategy`` and
-``PipelineModule`` are loaded on first use.
+``PipelineModule`` (and ``consolidate_checkpoint``) are loaded on first use.
 """
 
 from __future__ import annotations
@@ -16,13 +16,15 @@ import sys
 from types import ModuleType
 from typing import Any
 
-__all__ = ["OobleckStrategy", "PipelineModule"]
+__all__ = ["OobleckStrategy", "PipelineModule", "consolidate_checkpoint"]
 __version__ = "0.1.0"
 
 _LIGHTNING = "lightning.pytorch"
 
 
 def __getattr__(name: str) -> Any:
+    if name == "consolidate_checkpoint":
+        return importlib.import_module("lightning_oobleck.execution.checkpoint").consolidate_checkpoint
     if name in __all__:
         return getattr(importlib.import_module("lightning_oobleck.lightning"), name)
     raise AttributeError(f"module 'lightning_oobleck' has no attribute {name!r}")

@@ -159,3 +159,32 @@ def test_plan_for_the_zero_bubble_schedule(capsys) -> None:
     assert data["iteration_time_s"] < one_f_one_b["iteration_time_s"]
     code, out, _ = _run([*small, "--schedule", "zb-h1"], capsys)
     assert code == 0 and "schedule zb-h1" in out
+
+
+def test_a_hand_written_layout_is_kept_and_replans_from_the_planners_templates(tmp_path, capsys) -> None:
+    """``--layout`` keeps the pipelines as written; its JSON carries the planner's templates, so that
+    ``replan --fail`` rebuilds a damaged pipeline like a planned one (the strategy recovers the same way)."""
+    argv = ["plan", "--layers", "24", "--nodes", "6", "--gpus-per-node", "1", "--fault-tolerance", "1"]
+    argv += ["--global-batch", "64", "--microbatch", "4", "--layout", "0,8,16,24;0,8,16,24", "--json"]
+    code, data, _ = _run(argv, capsys)
+    assert code == 0
+    assert [p["nodes"] for p in data["pipelines"]] == [[0, 1, 2], [3, 4, 5]]
+    stages = {t["nodes"]: [s["layers"] for s in t["stages"]] for t in data["templates"]}
+    assert stages[3] == [[0, 8], [8, 16], [16, 24]]  # the layout's own split
+    assert 2 in stages  # and the planner's template for the node count left after a failure
+    path = tmp_path / "plan.json"
+    path.write_text(json.dumps(data))
+    code, replanned, _ = _run(["replan", "--plan", str(path), "--fail", "1", "--json"], capsys)
+    assert code == 0
+    assert sorted(len(p["nodes"]) for p in replanned["pipelines"]) == [2, 3]
+    assert sorted(n for p in replanned["pipelines"] for n in p["nodes"]) == [0, 2, 3, 4, 5]
+
+
+@pytest.mark.parametrize(
+    ("layout", "message"),
+    [("0,8,x", "--layout takes boundaries like"), ("0,8,16,24", "--layout uses 3 nodes but --nodes is 6")],
+)
+def test_a_bad_layout_is_one_line_exit_2(layout: str, message: str, capsys) -> None:
+    argv = ["plan", "--layers", "24", "--nodes", "6", "--gpus-per-node", "1", "--fault-tolerance", "0"]
+    code, _, err = _run([*argv, "--global-batch", "64", "--microbatch", "4", "--layout", layout], capsys)
+    assert code == 2 and message in err and len(err.strip().splitlines()) == 1

@@ -112,6 +112,8 @@ def parse_args(argv: list[str] | None = None) -> tuple[argparse.Namespace, DictC
     )
     parser.add_argument("overrides", nargs="*", help="dot-list overrides, e.g. strategy.microbatch_size=2")
     args = parser.parse_args(argv)
+    if not args.config.is_file():
+        parser.error(f"--config {args.config}: no such file")
     cfg = OmegaConf.merge(OmegaConf.load(args.config), OmegaConf.from_dotlist(args.overrides))
     flags = {
         "trainer.devices": args.devices,

@@ -8,6 +8,7 @@ import sys
 
 # Sub-command modules; each defines ``register(subparsers)`` that adds its parsers and sets ``func``.
 _COMMAND_MODULES = (
+    "lightning_oobleck.cli.consolidate",
     "lightning_oobleck.cli.join",
     "lightning_oobleck.cli.plan",
     "lightning_oobleck.cli.simulate",
@@ -36,4 +37,8 @@ def main(argv: list[str] | None = None) -> int:
         return int(args.func(args) or 0)
     except (CliError, ValueError) as e:
         print(f"oobleck {args.command}: error: {e}", file=sys.stderr)
+        return 2
+    except OSError as e:  # a missing or unreadable file: its name and the reason, in one line
+        name = f": {e.filename}" if e.filename else ""
+        print(f"oobleck {args.command}: error: {e.strerror or e}{name}", file=sys.stderr)
         return 2

@@ -2,7 +2,7 @@
 
 ``oobleck plan`` prints the templates (stages per node) and the pipelines (nodes, micro-batches,
 predicted time) of the fastest plan with at least ``f + 1`` pipelines; ``--json`` prints the plan's
-JSON (the schema in the README), which ``oobleck replan --plan`` reads back with ``--fail`` or
+JSON (the schema in docs/planning.md), which ``oobleck replan --plan`` reads back with ``--fail`` or
 ``--add``. Bad input exits with status 2 and one line naming the problem and the fix.
 """
 
@@ -18,7 +18,9 @@ from rich.table import Table
 from lightning_oobleck.cli import CliError
 from lightning_oobleck.config import load_config
 from lightning_oobleck.planning.config import PlannerConfig
+from lightning_oobleck.planning.layout import layout_plan
 from lightning_oobleck.planning.plan import Plan
+from lightning_oobleck.planning.planner import with_templates
 from lightning_oobleck.planning.profile import ModelProfile
 from lightning_oobleck.planning.reconfigure import Reconfiguration, after_failures, after_joins
 from lightning_oobleck.planning.schedules import SCHEDULE_NAMES
@@ -88,6 +90,11 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         metavar="KEY=VALUE",
         help="any setting, e.g. cluster.device_memory_bytes=80e9",
     )
+    plan.add_argument(
+        "--layout",
+        help="your own stage boundaries per pipeline, e.g. '0,3,6;0,6' (OobleckStrategy(layout=...)): kept "
+        "as written, with the planner's templates for other node counts so that it recovers in place",
+    )
     plan.add_argument("--json", action="store_true", help="print the plan as JSON")
     plan.set_defaults(func=run_plan)
 
@@ -104,9 +111,34 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
 def run_plan(args: argparse.Namespace) -> int:
     config = load_config(PlannerConfig, args.config, list(args.set) + job_overrides(args))
-    plan = config.make_plan(job_profile(config, args.layers))
+    profile = job_profile(config, args.layers)
+    if args.layout is None:
+        plan = config.make_plan(profile)
+    else:
+        hand = layout_plan(
+            _parse_layout(args.layout),
+            profile.num_layers,
+            gpus_per_node=config.cluster.gpus_per_node,
+            fault_tolerance=config.fault_tolerance,
+            global_batch_size=config.global_batch,
+            microbatch_size=config.microbatch,
+            schedule=config.schedule,
+            recompute=config.activation_checkpointing is True,
+        )
+        if len(hand.nodes) != config.cluster.num_nodes:
+            raise CliError(f"--layout uses {len(hand.nodes)} nodes but --nodes is {config.cluster.num_nodes}")
+        plan = with_templates(hand, config.inputs(profile))
     _print(plan.to_dict(), plan, args.json)
     return 0
+
+
+def _parse_layout(text: str) -> list[list[int]]:
+    try:
+        return [[int(x) for x in pipeline.split(",")] for pipeline in text.split(";")]
+    except ValueError as e:
+        raise CliError(
+            f"--layout takes boundaries like '0,3,6;0,6' (';' between pipelines), got {text!r}"
+        ) from e
 
 
 def run_replan(args: argparse.Namespace) -> int:

@@ -41,15 +41,14 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _around(steps: list[dict[str, Any]], start: float, end: float, window: int = 5) -> tuple[float, float]:
-    """Mean throughput over the ``window`` steps before ``start`` and after ``end``."""
+    """Mean throughput over the ``window`` steps before ``start`` and after ``end``; the step redone after a
+    recovery, whose duration holds the failure and the recovery, counts for neither."""
 
     def rate(chosen: list[dict[str, Any]]) -> float:
         return sum(s["samples"] for s in chosen) / max(sum(s["duration_s"] for s in chosen), 1e-9)
 
-    return (
-        rate([s for s in steps if s["time"] <= start][-window:]),
-        rate([s for s in steps if s["time"] > end][:window]),
-    )
+    after = [s for s in steps if s["time"] > end]
+    return rate([s for s in steps if s["time"] <= start][-window:]), rate(after[1 : window + 1] or after)
 
 
 def draw_timeline(

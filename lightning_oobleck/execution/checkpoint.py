@@ -29,6 +29,7 @@ import json
 import os
 import re
 import shutil
+import tempfile
 import warnings
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from contextlib import contextmanager
@@ -39,6 +40,7 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import nn
+from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
     get_model_state_dict,
@@ -48,7 +50,7 @@ from torch.distributed.checkpoint.state_dict import (
 )
 from torch.optim import Optimizer
 
-from lightning_oobleck.execution.stage import StageModule
+from lightning_oobleck.execution.stage import StageModule, Tie
 from lightning_oobleck.planning.plan import Plan
 
 METADATA_FILE = "lightning.pt"
@@ -67,14 +69,15 @@ def layer_of(name: str) -> int | None:
     return int(match.group(1)) if match else None
 
 
+def tie_aliases(ties: Iterable[Tie]) -> dict[str, str]:
+    """A tied parameter's other names (``layers.11.lm_head.weight``) -> the name it is checkpointed under."""
+    return {f"layers.{i}.{name}": tie.name for tie in ties for i, name in tie.members[1:]}
+
+
 def _canonical_names(module: nn.Module) -> Callable[[str], str]:
     """Maps a state-dict key of ``module`` to the key it is checkpointed under: a tied parameter's other
     names (``layers.11.lm_head.weight``, and its optimizer entries) become its canonical one."""
-    aliases = {
-        f"layers.{i}.{name}": tie.name
-        for tie in (module.ties if isinstance(module, StageModule) else ())
-        for i, name in tie.members[1:]
-    }
+    aliases = tie_aliases(module.ties if isinstance(module, StageModule) else ())
     if not aliases:
         return lambda key: key
     pattern = re.compile(r"(?:^|(?<=\.))(" + "|".join(map(re.escape, aliases)) + r")(?=\.|$)")
@@ -140,14 +143,27 @@ def write_shard(
     return written  # type: ignore[return-value]
 
 
-def write_metadata(directory: str | Path, metadata: Mapping[str, Any], shards: Mapping[int, str]) -> None:
-    """Write Lightning's entries and the index (``shards[layer]`` = the shard holding that layer)."""
+def write_metadata(
+    directory: str | Path,
+    metadata: Mapping[str, Any],
+    shards: Mapping[int, str],
+    aliases: Mapping[str, str] | None = None,
+) -> None:
+    """Write Lightning's entries and the index (``shards[layer]`` = the shard holding that layer;
+    ``aliases``: a tied parameter's other names -> the name it is stored under, see :func:`tie_aliases`)."""
     directory = Path(directory)
     torch.save(dict(metadata), directory / METADATA_FILE)
-    index = {"layers": {str(layer): shards[layer] for layer in sorted(shards)}}
+    index: dict[str, Any] = {"layers": {str(layer): shards[layer] for layer in sorted(shards)}}
+    if aliases:
+        index["aliases"] = dict(aliases)
     (directory / INDEX_FILE).write_text(json.dumps(index))
     if (profile := metadata.get(PROFILE_KEY)) is not None:
         (directory / PROFILE_FILE).write_text(json.dumps(profile, indent=1))
+
+
+def missing_shards(directory: str | Path, shards: Iterable[str]) -> list[str]:
+    """The ``shards`` that ``directory`` does not hold complete (DCP writes a shard's ``.metadata`` last)."""
+    return sorted(name for name in shards if not (Path(directory) / SHARDS_DIR / name / ".metadata").exists())
 
 
 def commit(partial: str | Path, path: str | Path) -> None:
@@ -265,6 +281,51 @@ def _load_by_layer(
     loaded = {saved: value for entries in wanted.values() for saved, value in entries.items()}
     for key in state:
         state[key] = loaded[canonical(key)]
+
+
+def consolidate_checkpoint(path: str | Path, output: str | Path) -> Path:
+    """Turn the sharded checkpoint ``path`` into one plain Lightning checkpoint file ``output``: every layer's
+    weights under the names a ``PipelineModule`` has on one device (``state_dict``, a tied parameter under
+    each of its names) and Lightning's entries (epoch, global step, hyper-parameters, callbacks...).
+
+    For evaluation, export and serving with any strategy (``MyModel.load_from_checkpoint(output)``,
+    ``trainer.validate(model, ckpt_path=output)``), like Lightning's FSDP ``consolidate_checkpoint``. It
+    holds no optimizer state (that is stored per layer, under the layout's names): resume training from
+    the sharded checkpoint, which loads into any layout. Returns ``output``.
+    """
+    path, output = Path(path), Path(output)
+    metadata = load_metadata(path)
+    index = json.loads((path / INDEX_FILE).read_text())
+    layers: dict[str, str] = index["layers"]
+    state_dict: dict[str, torch.Tensor] = {}
+    with tempfile.TemporaryDirectory(prefix="oobleck-consolidate-") as tmp:
+        for shard in sorted(set(layers.values())):
+            plain = Path(tmp) / f"{shard}.pt"
+            with _one_process():
+                dcp_to_torch_save(path / SHARDS_DIR / shard, plain)
+            model = torch.load(plain, weights_only=True)["model"]
+            state_dict.update({k: v for k, v in model.items() if layers.get(str(layer_of(k))) == shard})
+            plain.unlink()
+    missing = sorted(set(map(int, layers)) - {layer_of(k) for k in state_dict})
+    if missing:
+        raise ValueError(f"the checkpoint at {path} lists layers {missing} but its shards do not hold them")
+    for alias, name in index.get("aliases", {}).items():
+        state_dict[alias] = state_dict[name]
+    checkpoint = {k: v for k, v in metadata.items() if k not in ("optimizer_states", PROFILE_KEY)}
+    checkpoint["state_dict"] = dict(sorted(state_dict.items(), key=lambda kv: (layer_of(kv[0]), kv[0])))
+    output.parent.mkdir(parents=True, exist_ok=True)
+    torch.save(checkpoint, output)
+    return output
+
+
+def refuse_sharded(path: str | Path, where: str) -> None:
+    """Raise when ``path`` is a sharded checkpoint, which ``where`` cannot load: say how to consolidate it."""
+    if Path(path).is_dir() and (Path(path) / INDEX_FILE).exists():
+        raise ValueError(
+            f"{path} is a sharded checkpoint of the oobleck strategy, which {where} cannot load: load it "
+            f"with strategy='oobleck', or consolidate it first: `oobleck consolidate {path} model.ckpt` (or "
+            "lightning_oobleck.consolidate_checkpoint)"
+        )
 
 
 @contextmanager

@@ -1,4 +1,4 @@
-"""Callbacks for runs under the Oobleck strategy: the plan and each recovery on the console, and a fault
+"""Callbacks for runs under the Oobleck strategy: the plan after each recovery on the console, and a fault
 injector for drills (does the job survive losing this rank at this step?)."""
 
 from __future__ import annotations
@@ -10,37 +10,24 @@ from typing import Any, Literal
 
 import lightning as L
 from rich.console import Console
-from rich.table import Table
 
+from lightning_oobleck.lightning.console import plan_table
 from lightning_oobleck.lightning.strategy import OobleckStrategy
-from lightning_oobleck.planning.plan import Plan
-from lightning_oobleck.recovery import read_events
 
 
 class PlanSummary(L.Callback):
-    """Global rank 0 prints the plan when training starts, and after each recovery its phases and the new
-    plan."""
+    """Global rank 0 prints the new plan after each recovery or join (the strategy prints the first plan and
+    a line per recovery)."""
 
     def __init__(self) -> None:
         self.generation = 0
-
-    def on_fit_start(self, trainer: L.Trainer, module: L.LightningModule) -> None:
-        if trainer.is_global_zero and isinstance(trainer.strategy, OobleckStrategy):
-            Console().print(plan_table(trainer.strategy.plan))
 
     def on_train_batch_end(self, trainer: L.Trainer, *args: Any) -> None:
         strategy = trainer.strategy
         if not isinstance(strategy, OobleckStrategy) or strategy.engine.groups.generation == self.generation:
             return
         self.generation = strategy.engine.groups.generation
-        if trainer.is_global_zero and strategy.recovery_events is not None:
-            _, recoveries = read_events(strategy.recovery_events)
-            event = recoveries[-1]
-            phases = ", ".join(f"{k} {v * 1e3:.0f} ms" for k, v in event.durations().items())
-            Console().print(
-                f"[bold green]recovered at step {trainer.global_step}: lost {event.removed}, "
-                f"generation {event.generation}: {phases}"
-            )
+        if trainer.is_global_zero:
             Console().print(plan_table(strategy.plan))
 
 
@@ -82,24 +69,3 @@ class KillAt(L.Callback):
         """SIGKILL this process."""
         Console().print(f"[bold red]KillAt: SIGKILL to rank {self.rank} (pid {os.getpid()})")
         os.kill(os.getpid(), signal.SIGKILL)
-
-
-def plan_table(plan: Plan) -> Table:
-    """The plan as a table: each pipeline's nodes, stages, micro-batches and samples of the global batch."""
-    table = Table(
-        title=f"Oobleck plan: {len(plan.pipelines)} pipelines, f={plan.fault_tolerance}, "
-        f"global batch {plan.global_batch_size} = {plan.num_microbatches} x {plan.microbatch_size}"
-    )
-    for name in ("pipeline", "nodes", "stages (layers per node)", "micro-batches", "samples"):
-        table.add_column(name, justify="left" if name.startswith("stages") else "right")
-    for i, p in enumerate(plan.pipelines):
-        stages = " | ".join(f"{s.first_layer}-{s.end_layer - 1}" for s in p.stages)
-        samples = plan.microbatch_range(i)
-        table.add_row(
-            str(i),
-            ", ".join(map(str, p.nodes)),
-            stages,
-            str(p.microbatches),
-            f"{samples.start * plan.microbatch_size}-{samples.stop * plan.microbatch_size - 1}",
-        )
-    return table

@@ -36,12 +36,12 @@ import multiprocessing
 import os
 import shutil
 import signal
+import sys
 import tempfile
 import threading
 import time
-import traceback
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from datetime import timedelta
 from multiprocessing.connection import Connection
 from multiprocessing.connection import wait as wait_for_sentinels
@@ -55,16 +55,19 @@ from lightning.fabric.strategies.launchers.multiprocessing import (
     _disable_module_memory_sharing,
 )
 from lightning.fabric.utilities.distributed import _set_num_threads_if_needed
+from lightning.fabric.utilities.rank_zero import rank_zero_only
 from lightning.pytorch.strategies.launchers.launcher import _Launcher
 from lightning.pytorch.strategies.launchers.multiprocessing import _GlobalStateSnapshot
 from lightning.pytorch.trainer.states import TrainerFn
 
 from lightning_oobleck.execution.exit_guard import die_with_parent
 from lightning_oobleck.lightning.config import START_METHODS, StartMethod
+from lightning_oobleck.lightning.console import show_warnings_on_rank_zero
 from lightning_oobleck.lightning.environment import DEVICE_VAR, local_worker_env
 from lightning_oobleck.lightning.results import (
     collect_layers,
     read_error,
+    read_exception,
     read_result,
     restore_in_main_process,
     result_path,
@@ -73,6 +76,8 @@ from lightning_oobleck.lightning.results import (
 )
 from lightning_oobleck.recovery.agent import TrainingFinished, close_process_agent
 from lightning_oobleck.recovery.protocol import NODE_KEY_ENV
+from lightning_oobleck.recovery.runtime import UnrecoverableFailure
+from lightning_oobleck.recovery.startup import StartFailure
 
 if TYPE_CHECKING:
     import lightning.pytorch as pl
@@ -192,6 +197,10 @@ class LaunchReport:
     """Rank -> why it did not finish (signal, exit code, exception, killed by the supervisor)."""
     result_rank: int | None = None
     """The finished rank whose result the caller got."""
+    user_error: int | None = None
+    """A rank whose exception workers of two nodes raised alike: the model's error, not a node failure."""
+    errors: tuple[int, ...] = ()
+    """The ranks that ended with an ``Exception``, in the order they ended."""
 
 
 @dataclass(frozen=True)
@@ -220,6 +229,8 @@ class OobleckLauncher(_Launcher):
         replace_failed_after_s: start a replacement for a dead worker's node this long after its death
             (``None``: never); ``forkserver`` and ``spawn`` only (a fork of the supervisor once its threads
             run could deadlock).
+        preflight: ``preflight(trainer, args)`` raises for a call that cannot run (``args`` of
+            ``trainer.fit/validate/test/predict``), in this process, before any worker starts.
     """
 
     def __init__(
@@ -233,6 +244,7 @@ class OobleckLauncher(_Launcher):
         timeout_s: float | None = None,
         finish_grace_s: float = 60.0,
         replace_failed_after_s: float | None = None,
+        preflight: Callable[[pl.Trainer, tuple[Any, ...]], None] | None = None,
     ) -> None:
         if num_processes < 1:
             raise ValueError(f"num_processes must be >= 1, got {num_processes}")
@@ -256,6 +268,7 @@ class OobleckLauncher(_Launcher):
         self.timeout_s = timeout_s
         self.finish_grace_s = finish_grace_s
         self.replace_failed_after_s = replace_failed_after_s
+        self.preflight = preflight
         self.procs: dict[int, multiprocessing.process.BaseProcess] = {}
         self._node_of: dict[int, int] = {}
         """Launcher rank -> the node (index) it runs on; replacements get new node indices."""
@@ -278,6 +291,8 @@ class OobleckLauncher(_Launcher):
             _check_missing_main_guard()
         else:
             _check_bad_cuda_fork()
+        if self.preflight is not None and trainer is not None:
+            self.preflight(trainer, args)
         if self._already_fit and trainer is not None and trainer.state.fn == TrainerFn.FITTING:
             raise NotImplementedError(
                 "trainer.fit() twice on one Trainer is not supported with strategy='oobleck': create a new "
@@ -363,7 +378,10 @@ class OobleckLauncher(_Launcher):
         launch_deadline = None if self.timeout_s is None else time.monotonic() + self.timeout_s
         finish_deadline: float | None = None
         replace_at: dict[int, float] = {}
-        while len(exitcodes) < len(self.procs):
+        raised: dict[str, int] = {}  # the last line of an exception's traceback -> the first rank raising it
+        errors: list[int] = []
+        user_error: int | None = None
+        while len(exitcodes) < len(self.procs) and user_error is None:
             deadlines = [d for d in (finish_deadline, launch_deadline) if d is not None]
             now = time.monotonic()
             if deadlines and now >= min(deadlines):
@@ -378,6 +396,11 @@ class OobleckLauncher(_Launcher):
                 exitcodes[rank] = self._reap(rank)
                 supervisor.worker_exited(rank, exitcodes[rank])
                 finished = result_path(workdir, rank).exists()
+                if (error := _training_error(workdir, rank)) is not None:
+                    errors.append(rank)
+                    first = raised.setdefault(error, rank)
+                    if self._node_of[first] != self._node_of[rank]:
+                        user_error = first
                 if finish_deadline is None and finished:
                     finish_deadline = time.monotonic() + self.finish_grace_s
                 if self.replace_failed_after_s is not None and not finished and exitcodes[rank] != 0:
@@ -387,13 +410,15 @@ class OobleckLauncher(_Launcher):
         for rank in stuck:
             exitcodes[rank] = self._reap(rank)
             supervisor.worker_exited(rank, exitcodes[rank])
-        stuck_reason = (
-            f"still running {self.finish_grace_s} s after a worker finished"
-            if finish_deadline is not None
-            else f"still running after timeout_s={self.timeout_s}"
-        )
-        self.last_report = _report(exitcodes, stuck, stuck_reason, workdir)
-        if stuck and finish_deadline is None:
+        if user_error is not None:
+            stuck_reason = "the model raised the same error on two nodes"
+        elif finish_deadline is not None:
+            stuck_reason = f"still running {self.finish_grace_s} s after a worker finished"
+        else:
+            stuck_reason = f"still running after timeout_s={self.timeout_s}"
+        report = _report(exitcodes, stuck, stuck_reason, workdir)
+        self.last_report = replace(report, user_error=user_error, errors=tuple(errors))
+        if stuck and finish_deadline is None and user_error is None:
             raise TimeoutError(f"the launch did not finish: {_describe_lost(self.last_report)}")
         return self.last_report
 
@@ -413,6 +438,8 @@ class OobleckLauncher(_Launcher):
             self._start(rank, {**supervisor.worker_env, **position, NODE_KEY_ENV: f"replacement-{new_node}"})
 
     def _recover_results(self, report: LaunchReport, workdir: Path, trainer: pl.Trainer | None) -> Any:
+        if report.user_error is not None:
+            raise _user_exception(workdir, report)
         result = read_result(workdir, report.result_rank) if report.result_rank is not None else None
         if result is None:
             raise LaunchError(_describe_failure(report, workdir))
@@ -439,6 +466,7 @@ class OobleckLauncher(_Launcher):
         state["procs"] = {}
         state["services"] = []
         state["_start"] = None
+        state["preflight"] = None
         return state
 
 
@@ -463,15 +491,18 @@ def _worker_main(
     if spec.spawned:
         args, kwargs = _disable_module_memory_sharing((args, kwargs))
     _set_num_threads_if_needed(num_processes=spec.num_processes)
+    # Lightning's rank-zero messages before the strategy knows the rank (its tips at the start) print once.
+    rank_zero_only.rank = spec.rank
+    show_warnings_on_rank_zero()
     try:
         value = function(*args, **kwargs)
     except TrainingFinished:  # a replacement that found the training over: nothing to do, nothing lost
         close_process_agent()
         return
-    except BaseException:
+    except BaseException as error:
         close_process_agent(finished=False)  # lost, not finished: the peers recover without it
-        write_worker_error(spec.workdir, spec.rank, traceback.format_exc())
-        raise
+        write_worker_error(spec.workdir, spec.rank, error)
+        sys.exit(1)  # the supervisor reports it, once (multiprocessing would print every worker's traceback)
     close_process_agent()  # the process ends here (without atexit handlers)
     write_worker_result(spec.workdir, spec.rank, value, trainer)
 
@@ -509,6 +540,51 @@ def _report(exitcodes: dict[int, int], stuck: list[int], stuck_reason: str, work
         if r not in finished
     }
     return LaunchReport({r: exitcodes[r] for r in ranks}, finished, lost, finished[0] if finished else None)
+
+
+_CANNOT_GO_ON = (UnrecoverableFailure, StartFailure)
+"""What survivors raise when the workers lost took what they need: a consequence, not a cause."""
+
+
+def _training_error(workdir: Path, rank: int) -> str | None:
+    """The last line of the traceback of the ``Exception`` that ended ``rank`` (not a stop such as
+    ``SystemExit`` or Lightning's ``SIGTERMException``, which every worker raises together by design)."""
+    text = read_error(workdir, rank)
+    if text is None:
+        return None
+    exception = read_exception(workdir, rank)
+    if exception is not None and not isinstance(exception, Exception):
+        return None
+    return text.strip().splitlines()[-1]
+
+
+def _user_exception(workdir: Path, report: LaunchReport) -> BaseException:
+    """The exception to raise in the caller when workers of two nodes raised alike (``report.user_error``):
+    that exception, the user's own, with its worker's traceback attached. When it says that the survivors
+    could not go on (too many workers lost), the first error that a worker raised, if any, is the cause and
+    is raised instead; a :class:`LaunchError` with the traceback when the exception could not travel."""
+    rank = report.user_error
+    assert rank is not None
+    error = read_exception(workdir, rank)
+    if isinstance(error, _CANNOT_GO_ON):
+        cause = next(
+            (r for r in report.errors if not isinstance(read_exception(workdir, r), _CANNOT_GO_ON)), None
+        )
+        if cause is None:
+            return error
+        consequence, rank = error, cause
+        error = read_exception(workdir, rank)
+    else:
+        consequence = None
+    text = read_error(workdir, rank) or ""
+    if error is None:
+        return LaunchError(f"the training raised on several nodes; rank {rank}'s traceback:\n{text}")
+    note = f"\nraised in the training; rank {rank}'s traceback:\n{text}"
+    if consequence is not None:
+        note += f"\nthe other workers then could not go on: {consequence}"
+    if hasattr(error, "add_note"):  # Python 3.11+
+        error.add_note(note)
+    return error
 
 
 def _describe_exit(exitcode: int, error: str | None) -> str:

@@ -30,6 +30,7 @@ import torch
 import torch.utils._pytree as pytree
 from torch import Tensor, nn
 
+from lightning_oobleck.execution.checkpoint import refuse_sharded
 from lightning_oobleck.execution.stage import (
     build_reference_model,
     declare_ties,
@@ -68,6 +69,12 @@ class PipelineModule:
     layers: nn.ModuleDict
     init_seed: int = 0
     """Seeds the initial weights: the same weights under every strategy and every layout."""
+
+    @classmethod
+    def load_from_checkpoint(cls, checkpoint_path: Any, *args: Any, **kwargs: Any) -> Any:
+        """Lightning's ``load_from_checkpoint``; a sharded checkpoint is refused with how to consolidate."""
+        refuse_sharded(checkpoint_path, "load_from_checkpoint")
+        return super().load_from_checkpoint(checkpoint_path, *args, **kwargs)  # type: ignore[misc]
 
     def configure_layers(self) -> Sequence[nn.Module]:
         """The model as ordered layers; layer ``i`` receives the output of layer ``i - 1``."""

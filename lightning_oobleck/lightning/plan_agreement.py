@@ -6,11 +6,9 @@ to worker, so the others never plan themselves.
 
 from __future__ import annotations
 
-import itertools
-from collections.abc import Sequence
-
 from lightning_oobleck.lightning.config import OobleckConfig
-from lightning_oobleck.planning.plan import Pipeline, PipelineTemplate, Plan, Stage
+from lightning_oobleck.planning.layout import layout_plan as plan_of_layout
+from lightning_oobleck.planning.plan import Plan
 
 
 def configured_plan(config: OobleckConfig, num_layers: int, num_workers: int) -> Plan | None:
@@ -30,66 +28,21 @@ def configured_plan(config: OobleckConfig, num_layers: int, num_workers: int) ->
 
 
 def layout_plan(config: OobleckConfig, num_layers: int, num_workers: int) -> Plan:
-    """A plan from explicit stage boundaries: ``layout[p]`` lists pipeline ``p``'s boundaries, 0 to L.
-
-    Stage ``s`` of a pipeline runs on device ``s % G`` of its ``s // G``-th node; pipelines take nodes in
-    order. Micro-batches default to an even split (the first pipelines get one more when it is uneven).
-    """
+    """The plan of the configuration's ``layout`` (:func:`lightning_oobleck.planning.layout.layout_plan`)."""
     assert config.layout is not None
-    gpus = config.devices_per_node
-    assert gpus is not None, "devices_per_node is resolved from the cluster environment before planning"
-    layout = [list(bounds) for bounds in config.layout]
-    for p, bounds in enumerate(layout):
-        if len(bounds) < 2 or bounds[0] != 0 or bounds[-1] != num_layers or bounds != sorted(set(bounds)):
-            raise ValueError(
-                f"layout[{p}]={bounds} must rise strictly from 0 to the number of layers ({num_layers}), "
-                f"e.g. [0, {num_layers // 2}, {num_layers}] for two stages"
-            )
-        if (len(bounds) - 1) % gpus:
-            raise ValueError(
-                f"layout[{p}] has {len(bounds) - 1} stages, not a whole number of nodes of "
-                f"devices_per_node={gpus}"
-            )
-    splits: dict[int, list[int]] = {}
-    for bounds in layout:
-        if splits.setdefault(len(bounds) - 1, bounds) != bounds:
-            raise ValueError(
-                f"layout has two different {len(bounds) - 1}-stage pipelines ({splits[len(bounds) - 1]} and "
-                f"{bounds}): a plan has one template per node count; use the same boundaries for both"
-            )
+    assert config.devices_per_node is not None, "devices_per_node is resolved before planning"
+    assert config.global_batch_size is not None and config.microbatch_size is not None
     check_layout_size(config, num_workers)
-    if len(layout) < config.fault_tolerance + 1:
-        raise ValueError(
-            f"layout has {len(layout)} pipeline(s), but fault_tolerance={config.fault_tolerance} needs at "
-            "least "
-            f"{config.fault_tolerance + 1}: add pipelines or lower fault_tolerance"
-        )
-    microbatches = config.microbatches or _even_split(config.num_microbatches, len(layout))
-    if (
-        len(microbatches) != len(layout)
-        or sum(microbatches) != config.num_microbatches
-        or min(microbatches) < 1
-    ):
-        raise ValueError(
-            f"microbatches={list(microbatches)} must give each of the {len(layout)} pipelines at least one "
-            f"micro-batch and sum to global_batch_size / microbatch_size = {config.num_microbatches}"
-        )
-    pipelines, first_node = [], 0
-    for bounds, count in zip(layout, microbatches, strict=True):
-        template = _template(bounds, gpus, recompute=config.activation_checkpointing is True)
-        pipelines.append(Pipeline(template, tuple(range(first_node, first_node + template.num_nodes)), count))
-        first_node += template.num_nodes
-    assert config.global_batch_size is not None
-    return Plan(
-        num_layers=num_layers,
-        gpus_per_node=gpus,
+    return plan_of_layout(
+        config.layout,
+        num_layers,
+        gpus_per_node=config.devices_per_node,
         fault_tolerance=config.fault_tolerance,
-        n0=min(p.template.num_nodes for p in pipelines),
-        microbatch_size=config.microbatch_size,
         global_batch_size=config.global_batch_size,
-        templates=tuple({p.template.num_nodes: p.template for p in pipelines}.values()),
-        pipelines=tuple(pipelines),
+        microbatch_size=config.microbatch_size,
+        microbatches=config.microbatches,
         schedule=config.schedule,
+        recompute=config.activation_checkpointing is True,
     )
 
 
@@ -103,20 +56,3 @@ def check_layout_size(config: OobleckConfig, num_workers: int) -> None:
             f"{num_workers} processes: one stage runs per process, so set devices={stages} (on one node) "
             "or change the layout"
         )
-
-
-def _template(bounds: Sequence[int], gpus: int, recompute: bool) -> PipelineTemplate:
-    stages = tuple(
-        Stage(first, end, node=s // gpus, device=s % gpus, recompute=recompute)
-        for s, (first, end) in enumerate(itertools.pairwise(bounds))
-    )
-    return PipelineTemplate(
-        num_nodes=len(stages) // gpus,
-        gpus_per_node=gpus,
-        stages=stages,
-        stage_times_s=tuple(0.0 for _ in stages),
-    )
-
-
-def _even_split(total: int, parts: int) -> list[int]:
-    return [total // parts + (i < total % parts) for i in range(parts)]

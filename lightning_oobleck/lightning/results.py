@@ -7,7 +7,7 @@ atomically in place (``os.replace``) or absent. Per rank ``r``:
 * ``weights-r.pt``: the worker's ``strategy.lightning_module_state_dict()`` (for Oobleck, the layers it owns,
   under their global names) when fitting; written first;
 * ``result-r.pt``: a :class:`WorkerResult`; its presence means the worker finished;
-* ``error-r.txt``: the traceback if the worker's function raised.
+* ``error-r.txt``: the traceback if the worker's function raised, and ``error-r.pt`` the exception itself.
 
 The supervisor takes the run's result from the lowest finished rank and each weight from the lowest
 finished rank that holds it (:func:`collect_layers`), like Lightning's
@@ -16,7 +16,9 @@ finished rank that holds it (:func:`collect_layers`), like Lightning's
 
 from __future__ import annotations
 
+import contextlib
 import os
+import traceback
 from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
@@ -56,6 +58,10 @@ def error_path(workdir: Path, rank: int) -> Path:
     return workdir / f"error-{rank}.txt"
 
 
+def exception_path(workdir: Path, rank: int) -> Path:
+    return workdir / f"error-{rank}.pt"
+
+
 def _save_atomically(obj: Any, path: Path) -> None:
     tmp = path.with_name(path.name + ".tmp")
     torch.save(obj, tmp)
@@ -84,7 +90,12 @@ def write_worker_result(workdir: Path, rank: int, value: Any, trainer: pl.Traine
     _save_atomically(result, result_path(workdir, rank))
 
 
-def write_worker_error(workdir: Path, rank: int, text: str) -> None:
+def write_worker_error(workdir: Path, rank: int, error: BaseException) -> None:
+    """Record the exception that ended ``rank``: its traceback as text, and the exception itself when it
+    can be pickled (so that the caller can raise the user's own exception)."""
+    text = "".join(traceback.format_exception(error))
+    with contextlib.suppress(Exception):  # an exception that cannot be pickled is known by its text
+        _save_atomically(error, exception_path(workdir, rank))
     path = error_path(workdir, rank)
     tmp = path.with_name(path.name + ".tmp")
     tmp.write_text(text)
@@ -100,6 +111,15 @@ def read_result(workdir: Path, rank: int) -> WorkerResult | None:
 def read_error(workdir: Path, rank: int) -> str | None:
     path = error_path(workdir, rank)
     return path.read_text() if path.exists() else None
+
+
+def read_exception(workdir: Path, rank: int) -> BaseException | None:
+    """The exception that ended ``rank``, if it could be pickled."""
+    path = exception_path(workdir, rank)
+    try:
+        return torch.load(path, weights_only=False) if path.exists() else None
+    except Exception:  # its class cannot be imported here
+        return None
 
 
 def collect_layers(workdir: Path, ranks: Iterable[int]) -> dict[str, torch.Tensor]:

@@ -23,12 +23,13 @@ from __future__ import annotations
 import itertools
 import os
 import signal
+import warnings
 from collections.abc import Callable, Mapping
 from dataclasses import replace
 from datetime import timedelta
 from functools import partial
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
@@ -56,8 +57,9 @@ from lightning_oobleck.execution.checkpoint import (
     load_sharded_optimizers,
 )
 from lightning_oobleck.execution.process_groups import backend_for, check_plan_size
-from lightning_oobleck.execution.stage import build_stage, find_ties
+from lightning_oobleck.execution.stage import Tie, build_stage, find_ties
 from lightning_oobleck.lightning.config import OobleckConfig, load_oobleck_config
+from lightning_oobleck.lightning.console import print_start, show_warnings_on_rank_zero
 from lightning_oobleck.lightning.data import (
     DataPosition,
     GlobalBatchSampler,
@@ -76,13 +78,23 @@ from lightning_oobleck.lightning.module import (
 )
 from lightning_oobleck.lightning.plan_agreement import check_layout_size, configured_plan
 from lightning_oobleck.lightning.precision import with_global_norm_clipping
-from lightning_oobleck.lightning.units import FitUnits, check_tied_parameter_groups, share_logger_versions
+from lightning_oobleck.lightning.summary import summarize_whole_model
+from lightning_oobleck.lightning.units import (
+    LOGGER_VERSIONS,
+    FitUnits,
+    check_tied_parameter_groups,
+    logger_versions,
+    set_logger_versions,
+)
 from lightning_oobleck.planning.plan import Plan
 from lightning_oobleck.recovery.agent import WorkerAgent, close_process_agent, process_agent
 from lightning_oobleck.recovery.protocol import ADDRESS_ENV, NODE_KEY_ENV, Timeouts
 from lightning_oobleck.recovery.runtime import Admission, join_training
 from lightning_oobleck.recovery.service import CoordinatorService
 from lightning_oobleck.recovery.startup import publish_plan, read_plan, start
+
+if TYPE_CHECKING:
+    from lightning_oobleck.planning import planner
 
 
 class OobleckStrategy(ParallelStrategy, PipelineExecutor):
@@ -124,6 +136,8 @@ class OobleckStrategy(ParallelStrategy, PipelineExecutor):
         self._store: dist.Store | None = None
         self._agent: WorkerAgent | None = None
         self._units: FitUnits | None = None
+        self.ties: tuple[Tie, ...] = ()
+        """The model's tied parameters (known from ``setup_environment`` on)."""
         self._admission: Admission | None = None
         """What this process received when it joined a running training (``OOBLECK_NODE_KEY``)."""
 
@@ -210,6 +224,7 @@ class OobleckStrategy(ParallelStrategy, PipelineExecutor):
                 devices_per_node=self.config.devices_per_node,
                 start_method=self.config.start_method,  # type: ignore[arg-type]
                 replace_failed_after_s=self.config.replace_failed_after_s,
+                preflight=self._refuse_before_launch,
                 # The coordinator of in-process recovery lives in the supervisor, which outlives every worker.
                 services=[CoordinatorService(heartbeat_timeout=self.config.heartbeat_timeout_s)],
             )
@@ -218,6 +233,7 @@ class OobleckStrategy(ParallelStrategy, PipelineExecutor):
     @override
     def setup_environment(self) -> None:
         super().setup_environment()
+        show_warnings_on_rank_zero()
         environment = self._environment()
         module = self._pipeline_module()
         self.config = self.config.with_batch(self._loader_batch_size(), environment.world_size())
@@ -226,13 +242,15 @@ class OobleckStrategy(ParallelStrategy, PipelineExecutor):
             f"oobleck/run{next(_RUNS)}/", _connect_store(environment, self.config)
         )
         layers, num_workers = meta_layers(module), environment.world_size()
-        tied_layers = tuple(tie.layers for tie in find_ties(layers))
+        self.ties = find_ties(layers)
+        tied_layers = tuple(tie.layers for tie in self.ties)
 
         def make_plan() -> Plan:
-            plan = configured_plan(self.config, len(layers), num_workers) or self._planner_plan(
-                module, num_workers
-            )
-            return check_plan_size(replace(plan, tied_layers=tied_layers), num_workers)
+            plan = self._plan(module, len(layers), num_workers)
+            # The run's log directory travels with the plan: every worker (and whichever is rank 0 later)
+            # writes logs and checkpoints under the versions the planning worker resolved.
+            extra = {**plan.extra, LOGGER_VERSIONS: logger_versions(self.lightning_module.trainer)}
+            return check_plan_size(replace(plan, tied_layers=tied_layers, extra=extra), num_workers)
 
         backend = self.config.backend or backend_for(self.root_device)
         cfg = self.config
@@ -256,6 +274,8 @@ class OobleckStrategy(ParallelStrategy, PipelineExecutor):
         environment.set_global_rank(self._groups.rank)
         environment.set_world_size(self._groups.world_size)
         rank_zero_only.rank = self._groups.rank
+        if (versions := self._groups.plan.extra.get(LOGGER_VERSIONS)) is not None:
+            set_logger_versions(self.lightning_module.trainer, versions)
 
     def _start_agent(self, worker: tuple[int | None, int], node_key: str | None = None) -> WorkerAgent:
         """This process's agent (registered once per process), with the job's failure-detector timeouts."""
@@ -310,10 +330,11 @@ class OobleckStrategy(ParallelStrategy, PipelineExecutor):
     def setup(self, trainer: Trainer) -> None:
         assert self.accelerator is not None
         self.accelerator.setup(trainer)
-        self._check_trainer(trainer)
+        self._check_trainer(trainer, self.lightning_module)
         module = self._pipeline_module()
         self._engine = self._build_engine(module)
         module.layers = self._engine.module.layers
+        summarize_whole_model(trainer)
         self.model_to_device()
         fitting = trainer.state.fn == TrainerFn.FITTING
         if fitting:
@@ -333,8 +354,6 @@ class OobleckStrategy(ParallelStrategy, PipelineExecutor):
             assert self._store is not None
             # before the first exchange, just below
             self._units.enable_recovery(self._agent, self._store, self._admission)
-        if self._admission is None:
-            share_logger_versions(trainer, self._units)
         if fitting:
             # Lightning broadcasts its SIGTERM flag on the default group before every batch; here the step's
             # commit carries it, so no collective runs outside the units.
@@ -374,13 +393,45 @@ class OobleckStrategy(ParallelStrategy, PipelineExecutor):
             return None
         return getattr(loader, "batch_size", None)
 
-    def _planner_plan(self, module: PipelineModule, num_workers: int) -> Plan:
-        """Profile the layers (or load the profile) and let the planner place them on the workers.
+    def _plan(self, module: PipelineModule, num_layers: int, num_workers: int) -> Plan:
+        """The plan of this run: ``plan_path``, the planner's, or a hand-written ``layout`` with the planner's
+        templates for other node counts (so that it recovers in place), made by one worker."""
+        from lightning_oobleck.planning.planner import PlanningError, with_templates
 
-        ``planner`` options go to ``make_plan``; ``planner.cluster`` (a dict) describes the devices.
-        """
+        cfg = self.config
+        plan = configured_plan(cfg, num_layers, num_workers)
+        if plan is None:
+            return self._planner_inputs(module, num_workers).make_plan(
+                cfg.global_batch_size, cfg.microbatch_size
+            )
+        if cfg.layout is None or cfg.fault_tolerance == 0:
+            return plan
+        if cfg.profile_path is None and getattr(module, "example_input_array", None) is None:
+            reason = "set example_input_array in your module's __init__ so that the strategy can profile it"
+        else:
+            try:
+                return with_templates(plan, self._planner_inputs(module, num_workers))
+            except PlanningError as e:
+                reason = f"the planner cannot plan this job ({e})"
+        warnings.warn(
+            f"the layout cannot recover in place after a failure (fault_tolerance={cfg.fault_tolerance}): "
+            f"it has no pipeline templates for other node counts; {reason}",
+            stacklevel=1,
+        )
+        return plan
+
+    def _profile_cache(self) -> Path:
+        cfg = self.config
+        return Path(
+            cfg.profile_cache_dir or Path(self.lightning_module.trainer.default_root_dir) / PROFILE_CACHE
+        )
+
+    def _planner_inputs(self, module: PipelineModule, num_workers: int) -> planner.PlannerInputs:
+        """What the planner plans this job from: the layers' profile (measured, cached or loaded), the cluster
+        (``planner.cluster``, a dict of :class:`ClusterSpec` fields, with this run's nodes) and options."""
         from lightning_oobleck.execution import profile_layers
-        from lightning_oobleck.planning import ClusterSpec, make_plan
+        from lightning_oobleck.planning import ClusterSpec
+        from lightning_oobleck.planning.planner import PlannerInputs
         from lightning_oobleck.planning.profile import ModelProfile
 
         cfg = self.config
@@ -394,9 +445,7 @@ class OobleckStrategy(ParallelStrategy, PipelineExecutor):
             inputs, context = self.precision_plugin.convert_input(
                 pytree.tree_map(lambda t: t[:1].expand(b, *t.shape[1:]).clone(), (inputs, context))
             )
-            cache = (
-                cfg.profile_cache_dir or Path(self.lightning_module.trainer.default_root_dir) / PROFILE_CACHE
-            )
+            cache = self._profile_cache()
             with self.precision_plugin.tensor_init_context():
                 profile = profile_layers(
                     layer_source(module),
@@ -409,14 +458,13 @@ class OobleckStrategy(ParallelStrategy, PipelineExecutor):
                 )
         options = dict(cfg.planner)
         cluster = ClusterSpec(**options.pop("cluster", {}))
-        return make_plan(
+        cluster = replace(
+            cluster, num_nodes=num_workers // cfg.devices_per_node, gpus_per_node=cfg.devices_per_node
+        )
+        return PlannerInputs(
             profile,
             cluster,
-            num_nodes=num_workers // cfg.devices_per_node,
-            gpus_per_node=cfg.devices_per_node,
-            fault_tolerance=cfg.fault_tolerance,
-            global_batch_size=cfg.global_batch_size,
-            microbatch_size=cfg.microbatch_size,
+            cfg.fault_tolerance,
             activation_checkpointing=cfg.activation_checkpointing,
             schedule=cfg.schedule,
             **options,
@@ -437,6 +485,9 @@ class OobleckStrategy(ParallelStrategy, PipelineExecutor):
         recovery = self._require_units().recovery
         if recovery is not None:  # after a checkpoint restore: count steps as Lightning does
             recovery.start_at(self.lightning_module.trainer.global_step)
+        if rank_zero_only.rank == 0 and self._admission is None:  # (trainer.log_dir would be a collective)
+            profiles = self._profile_cache()
+            print_start(self.plan, self.recovery_events, profiles if profiles.is_dir() else None)
 
     @override
     def on_validation_start(self) -> None:
@@ -692,18 +743,32 @@ class OobleckStrategy(ParallelStrategy, PipelineExecutor):
     def _pipeline_module(self) -> PipelineModule:
         return as_pipeline_module(self.lightning_module)
 
-    def _check_trainer(self, trainer: Trainer) -> None:
-        module = self.lightning_module
-        assert module is not None
-        if trainer.state.fn == TrainerFn.FITTING and trainer.accumulate_grad_batches != 1:
-            equivalent = self.config.global_batch_size * trainer.accumulate_grad_batches
-            raise ValueError(
-                f"accumulate_grad_batches={trainer.accumulate_grad_batches} is not supported by the oobleck "
-                "strategy: a step already accumulates over its micro-batches. Raise global_batch_size "
-                f"instead (global_batch_size={equivalent} is equivalent)"
+    def _check_trainer(self, trainer: Trainer, module: Any) -> None:
+        """Refuse what the strategy cannot run; called in the launching process before any worker starts
+        (:meth:`_refuse_before_launch`), and by every worker."""
+        if trainer.state.fn == TrainerFn.PREDICTING:
+            raise NotImplementedError(
+                "trainer.predict is not supported by the oobleck strategy: each worker holds only its own "
+                "stages. Consolidate a checkpoint (`oobleck consolidate CKPT OUT.ckpt`, or "
+                "lightning_oobleck.consolidate_checkpoint) and predict on one device with strategy='auto'"
             )
+        as_pipeline_module(module)
         if not module.automatic_optimization:
-            raise ValueError("the oobleck strategy supports automatic optimisation only")
+            raise ValueError(
+                "the oobleck strategy supports automatic optimisation only: remove "
+                "self.automatic_optimization = False (the pipeline schedule runs the backward passes)"
+            )
+        if trainer.state.fn == TrainerFn.FITTING and trainer.accumulate_grad_batches != 1:
+            factor = trainer.accumulate_grad_batches
+            raise ValueError(
+                f"accumulate_grad_batches={factor} is not supported by the oobleck strategy: a step already "
+                "accumulates over its micro-batches. Remove it and make "
+                f"OobleckStrategy(global_batch_size=...) {factor}x the samples per step (the same update)"
+            )
+
+    def _refuse_before_launch(self, trainer: Trainer, args: tuple[Any, ...]) -> None:
+        """The launcher's check of ``trainer.fit/validate/test/predict(model, ...)``, before workers start."""
+        self._check_trainer(trainer, args[0] if args else None)
 
     def _check_precision(self) -> None:
         if isinstance(self.precision_plugin, MixedPrecision) and self.precision_plugin.scaler is not None:

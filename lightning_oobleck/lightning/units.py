@@ -22,15 +22,18 @@ import csv
 import io
 import math
 import pickle
+import shutil
 import time
+import warnings
 from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, TypeVar
 
 import torch
 import torch.distributed as dist
-from lightning.fabric.utilities.rank_zero import rank_zero_info, rank_zero_warn
+from lightning.fabric.utilities.rank_zero import rank_zero_info
 from lightning.pytorch import LightningModule, Trainer
+from lightning.pytorch.callbacks import RichProgressBar, TQDMProgressBar
 from lightning.pytorch.core.optimizer import _init_optimizers_and_lr_schedulers
 from lightning.pytorch.loggers import CSVLogger, TensorBoardLogger
 from lightning.pytorch.loggers.csv_logs import ExperimentWriter
@@ -43,14 +46,17 @@ from torch import Tensor
 from lightning_oobleck.execution.checkpoint import (
     commit,
     layer_writers,
+    missing_shards,
     partial_path,
     shard_name,
+    tie_aliases,
     write_metadata,
     write_shard,
 )
 from lightning_oobleck.execution.engine import PipelineEngine
 from lightning_oobleck.execution.process_groups import backend_for
 from lightning_oobleck.execution.stage import StageModule
+from lightning_oobleck.lightning.console import counted
 from lightning_oobleck.lightning.data import DataPosition, PipelineDataLoader, share_of_pipeline
 from lightning_oobleck.lightning.module import batch_parts, layer_source, meta_layers
 from lightning_oobleck.recovery.agent import WorkerAgent
@@ -62,6 +68,9 @@ if TYPE_CHECKING:
     from lightning_oobleck.lightning.strategy import OobleckStrategy
 
 T = TypeVar("T")
+
+LOGGER_VERSIONS = "logger_versions"
+"""The plan's (and a joiner's handover's) entry with the run's logger versions (:func:`logger_versions`)."""
 
 EVENTS_FILE = "oobleck-events.jsonl"
 """The recovery and step records of a run, in the trainer's log directory (``oobleck timeline``)."""
@@ -156,8 +165,7 @@ class FitUnits:
         trainer = self.trainer
         trainer._checkpoint_connector._loaded_checkpoint = handover["checkpoint"]
         trainer.num_sanity_val_steps = 0
-        for logger, version in zip(_versioned_loggers(trainer), handover["logger_versions"], strict=True):
-            logger._version = version
+        set_logger_versions(trainer, handover[LOGGER_VERSIONS])
         self._validation_data_ready = handover["validation_data_ready"]
         self.catching_up = True
 
@@ -270,28 +278,12 @@ class FitUnits:
             self.all_reduce(torch.zeros(1, device=self.engine.device))
 
     def broadcast(self, obj: T, src: int = 0) -> T:
-        """``obj`` of rank ``src``: its bytes all-reduced (sum) against zeros, so the unit ends with an
-        all-reduce like every other. A joiner catching up keeps its own ``obj``, as every worker does before
-        the strategy's setup: it has the members' configuration and logger versions, so the directories
-        Lightning agrees on at a fit's start are theirs."""
+        """``obj`` of rank ``src`` (of the generation that completes the unit). A joiner catching up keeps its
+        own ``obj``, as every worker does before the strategy's setup: it has the members' configuration and
+        logger versions, so the directories Lightning agrees on at a fit's start are theirs."""
         if self.catching_up:
             return obj
-        data = pickle.dumps(obj) if self.engine.groups.rank == src else b""
-
-        def broadcast(engine: PipelineEngine) -> T:
-            mine = data if engine.groups.rank == src else b""
-            size = engine.groups.all_reduce(
-                torch.tensor([len(mine)], dtype=torch.int64, device=engine.device),
-                engine.abort,
-                dist.ReduceOp.MAX,
-            )
-            buffer = torch.zeros(int(size), dtype=torch.uint8, device=engine.device)
-            if mine:
-                buffer.copy_(torch.frombuffer(bytearray(mine), dtype=torch.uint8))
-            engine.groups.all_reduce(buffer, engine.abort)
-            return pickle.loads(buffer.cpu().numpy().tobytes())
-
-        return self.run(broadcast)
+        return self.run(lambda engine: _broadcast_object(engine, obj, src))
 
     def all_gather(self, tensor: Tensor) -> Tensor:
         """Every worker's ``tensor`` (same shape everywhere), stacked in rank order."""
@@ -318,8 +310,11 @@ class FitUnits:
             raise SIGTERMException()
 
     def save_checkpoint(self, checkpoint: dict[str, Any], path: str | Path) -> None:
-        """Write each layer and its optimizer state once, then commit atomically (see
-        :mod:`~lightning_oobleck.execution.checkpoint`); a peer lost meanwhile makes it start over."""
+        """Write each layer and its optimizer state once, verify every shard, then commit atomically (see
+        :mod:`~lightning_oobleck.execution.checkpoint`); a peer lost meanwhile makes it start over.
+
+        Rank 0 commits only once every shard the index lists is complete in the directory it commits; a
+        shard written elsewhere (a worker given another path) fails the save on every worker, naming it."""
         metadata = self.strategy.checkpoint_metadata(checkpoint)
 
         def save(engine: PipelineEngine) -> None:
@@ -334,11 +329,24 @@ class FitUnits:
                 lambda layer: writers[layer] == groups.worker,
             )
             if groups.rank == 0:
-                write_metadata(partial, metadata, {layer: shard_name(w) for layer, w in writers.items()})
+                shards = {layer: shard_name(w) for layer, w in writers.items()}
+                write_metadata(partial, metadata, shards, tie_aliases(self.strategy.ties))
             groups.all_reduce(torch.zeros(1, device=engine.device), engine.abort)
+            verdict = None
             if groups.rank == 0:
-                commit(partial, path)
-            groups.all_reduce(torch.zeros(1, device=engine.device), engine.abort)
+                missing = missing_shards(partial, {shard_name(w) for w in writers.values()})
+                if not missing:
+                    commit(partial, path)
+                verdict = (str(Path(path).resolve()), missing)
+            committed_path, missing = _broadcast_object(engine, verdict, 0)
+            if missing:
+                shutil.rmtree(partial, ignore_errors=True)
+                raise CheckpointError(
+                    f"checkpoint {committed_path} was not saved: the shards of worker(s) "
+                    f"{', '.join(missing)} are missing from it. Every worker must save to the same path on "
+                    "a file system they all see: give ModelCheckpoint(dirpath=...) or "
+                    "trainer.save_checkpoint(...) one path on shared storage"
+                )
 
         self.run(save)
 
@@ -364,7 +372,7 @@ class FitUnits:
         joiner's fit redoes that step with the members), and the loggers' versions (one run directory)."""
         return {
             "checkpoint": self.checkpoint_metadata(),
-            "logger_versions": [logger.version for logger in _versioned_loggers(self.trainer)],
+            LOGGER_VERSIONS: logger_versions(self.trainer),
             "validation_data_ready": self.trainer.fit_loop.epoch_loop.val_loop._combined_loader is not None,
         }
 
@@ -386,13 +394,20 @@ class FitUnits:
             loader.batch_sampler.set_share(share, groups.generation)
         if groups.rank == 0 and not was_rank_zero:
             continue_logger_runs(self.trainer)
-        for warning in event.warnings:
-            rank_zero_warn(f"oobleck: {warning}")
-        if joined := sorted({node for node, _ in event.added}):
+            continue_progress_bar(self.trainer)
+        pipelines = counted(len(plan.pipelines), "pipeline")
+        layout = f"{pipelines} on {len(plan.nodes)} nodes, f={plan.fault_tolerance}"
+        if lost := sorted({node for node, _ in event.removed}):
             rank_zero_info(
-                f"oobleck: node(s) {', '.join(map(str, joined))} joined at step {recovery.ledger.steps}: "
-                f"{len(plan.pipelines)} pipelines on {len(plan.nodes)} nodes, f={plan.fault_tolerance}"
+                f"oobleck: node(s) {', '.join(map(str, lost))} lost at step {recovery.ledger.steps} "
+                f"[{event.cause}]; training goes on: {layout}, recovered in "
+                f"{event.durations().get('total', 0.0):.2f} s"
             )
+        for warning in event.warnings:  # a line of the run's story, like the one above (no source path)
+            rank_zero_info(f"oobleck: warning: {warning}")
+        if joined := sorted({node for node, _ in event.added}):
+            nodes = ", ".join(map(str, joined))
+            rank_zero_info(f"oobleck: node(s) {nodes} joined at step {recovery.ledger.steps}: {layout}")
 
     def flush_loggers(self) -> None:
         """Write what rank 0's loggers hold, so that a new rank 0 continues from it if this one is lost."""
@@ -415,10 +430,35 @@ def continue_logger_runs(trainer: Trainer) -> None:
         if isinstance(logger, CSVLogger):
             path = Path(logger.log_dir) / ExperimentWriter.NAME_METRICS_FILE
             history = path.read_text() if path.exists() else None
-            writer = logger.experiment
+            with warnings.catch_warnings():  # it is this run's directory: nothing is deleted
+                warnings.filterwarnings("ignore", message="Experiment logs directory")
+                writer = logger.experiment
             if history is not None:
                 path.write_text(history)
                 writer.metrics_keys = sorted(next(csv.reader(io.StringIO(history)), []))
+
+
+def continue_progress_bar(trainer: Trainer) -> None:
+    """This process just became rank 0: its progress bar, disabled on every other rank, takes over where the
+    lost rank 0's stopped (the bar's own hooks open it for the current epoch)."""
+    bar = trainer.progress_bar_callback
+    if bar is None or bar.is_enabled or not trainer.training:
+        return
+    bar.enable()
+    bar.on_train_start(trainer, trainer.lightning_module)
+    bar.on_train_epoch_start(trainer, trainer.lightning_module)
+    # The bar counts this epoch's batches from its start, not from now.
+    done = trainer.fit_loop.epoch_loop.batch_progress.current.completed
+    total = min(trainer.num_training_batches, bar.total_train_batches + done)
+    if (
+        isinstance(bar, RichProgressBar)
+        and bar.progress is not None
+        and bar.train_progress_bar_id is not None
+    ):
+        bar.progress.update(bar.train_progress_bar_id, total=total, completed=done)
+    elif isinstance(bar, TQDMProgressBar):
+        bar.train_progress_bar.total = total
+        bar.train_progress_bar.n = done
 
 
 def build_optimizer(lightning_module: Any, module: StageModule) -> torch.optim.Optimizer:
@@ -470,11 +510,37 @@ def _group_settings(optimizer: torch.optim.Optimizer, param: Tensor) -> dict[str
     return None
 
 
-def share_logger_versions(trainer: Trainer, units: FitUnits) -> None:
-    """Give every worker rank 0's logger versions, so that whichever worker is rank 0 later writes into the
-    same run directory (a logger's version is otherwise the next free one when first asked for)."""
-    for logger in _versioned_loggers(trainer):
-        logger._version = units.broadcast(logger.version)
+class CheckpointError(RuntimeError):
+    """A checkpoint could not be saved complete: nothing was committed at its path."""
+
+
+def _broadcast_object(engine: PipelineEngine, obj: Any, src: int) -> Any:
+    """``obj`` of rank ``src`` on every worker: its bytes all-reduced (sum) against zeros, so that the
+    exchange ends with an all-reduce like every other (abortable when a peer is lost)."""
+    groups = engine.groups
+    mine = pickle.dumps(obj) if groups.rank == src else b""
+    size = groups.all_reduce(
+        torch.tensor([len(mine)], dtype=torch.int64, device=engine.device), engine.abort, dist.ReduceOp.MAX
+    )
+    buffer = torch.zeros(int(size), dtype=torch.uint8, device=engine.device)
+    if mine:
+        buffer.copy_(torch.frombuffer(bytearray(mine), dtype=torch.uint8))
+    groups.all_reduce(buffer, engine.abort)
+    return pickle.loads(buffer.cpu().numpy().tobytes())
+
+
+def logger_versions(trainer: Trainer) -> list[int | str]:
+    """The versions of the trainer's versioned loggers (resolved now: the next free one when first asked for).
+
+    One worker resolves them and every worker takes them (:func:`set_logger_versions`) before Lightning's
+    setup, so that the log directory, ``ModelCheckpoint``'s default ``dirpath`` and whichever worker is rank
+    0 later all name the same run directory."""
+    return [logger.version for logger in _versioned_loggers(trainer)]
+
+
+def set_logger_versions(trainer: Trainer, versions: list[int | str]) -> None:
+    for logger, version in zip(_versioned_loggers(trainer), versions, strict=True):
+        logger._version = version
 
 
 def _versioned_loggers(trainer: Trainer) -> list[CSVLogger | TensorBoardLogger]:

@@ -71,7 +71,11 @@ class PlannerConfig:
 
     def make_plan(self, profile: ModelProfile | None = None) -> Plan:
         """The plan for this configuration (``profile``: the one :meth:`load_profile` gives, if loaded)."""
-        inputs = PlannerInputs(
+        return self.inputs(profile).make_plan(self.global_batch, self.microbatch)
+
+    def inputs(self, profile: ModelProfile | None = None) -> PlannerInputs:
+        """What the planner plans this configuration from."""
+        return PlannerInputs(
             profile if profile is not None else self.load_profile(),
             self.cluster,
             self.fault_tolerance,
@@ -80,4 +84,3 @@ class PlannerConfig:
             self.activation_checkpointing,
             self.schedule,
         )
-        return inputs.make_plan(self.global_batch, self.microbatch)

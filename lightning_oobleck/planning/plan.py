@@ -12,7 +12,7 @@ Identities used throughout the project:
 * layer indices are global (``0..num_layers-1``), so a layer keeps its name in every layout.
 
 The JSON form (:meth:`Plan.to_dict`) is the schema printed by ``oobleck plan --json`` and read back by
-``oobleck replan --plan``; it is documented in the README.
+``oobleck replan --plan``; it is documented in docs/planning.md.
 """
 
 from __future__ import annotations

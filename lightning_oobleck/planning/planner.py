@@ -144,7 +144,12 @@ def make_plan(
     nodes = cluster.num_nodes
     if nodes < (fault_tolerance + 1) * n0:
         most = nodes // n0 - 1
-        fix = f"lower --fault-tolerance to {most} or use" if most >= 0 else "use"
+        fix = (
+            f"lower the fault tolerance to {most} (OobleckStrategy(fault_tolerance={most}), oobleck plan "
+            f"--fault-tolerance {most}) or use"
+            if most >= 0
+            else "use"
+        )
         raise PlanningError(
             f"f={fault_tolerance} needs {fault_tolerance + 1} pipelines of at least n0={n0} node(s), i.e. "
             f"{(fault_tolerance + 1) * n0} nodes, but the cluster has {nodes}: {fix} at least "
@@ -168,6 +173,50 @@ def make_plan(
     return assemble_plan(
         inputs, templates, n0, layouts, global_batch, microbatch, fault_tolerance, started, nodes
     )
+
+
+def with_templates(layout: Plan, inputs: PlannerInputs) -> Plan:
+    """A hand-written ``layout`` (its pipelines, stage boundaries and micro-batches, unchanged) given the
+    planner's templates for every other node count, so that it recovers in place like a planned run.
+
+    The planner plans the same job from ``inputs`` (its cluster has the layout's node count); its templates
+    join the layout's own, which are kept for their node counts and costed by the same model. While every
+    node lives the layout runs as written; after a failure, damaged pipelines are rebuilt from the templates.
+    """
+    started = time.perf_counter()
+    cost = inputs.cost()
+    planned = inputs.make_plan(layout.global_batch_size, layout.microbatch_size)
+    own = {t.num_nodes: _costed(cost, t) for t in layout.templates}
+    templates = {**{t.num_nodes: t for t in planned.templates}, **own}
+    layouts = [(own[p.template.num_nodes], p.nodes) for p in layout.pipelines]
+    plan = assemble_plan(
+        inputs,
+        [templates[n] for n in sorted(templates)],
+        min(planned.n0, *own),
+        layouts,
+        layout.global_batch_size,
+        layout.microbatch_size,
+        layout.fault_tolerance,
+        started,
+        max(layout.nodes) + 1,
+    )
+    pipelines = tuple(
+        replace(p, microbatches=q.microbatches) for p, q in zip(plan.pipelines, layout.pipelines, strict=True)
+    )
+    return replace(plan, pipelines=pipelines, tied_layers=layout.tied_layers)
+
+
+def _costed(cost: CostModel, template: PipelineTemplate) -> PipelineTemplate:
+    """``template``'s split with the cost model's stage times and memory."""
+    stages = list(enumerate(template.stages))
+    costed = replace(
+        template,
+        stage_times_s=tuple(cost.stage_time_s(s.first_layer, s.end_layer, i, len(stages)) for i, s in stages),
+        stage_memory_bytes=tuple(
+            cost.stage_memory_bytes(s.first_layer, s.end_layer, i, len(stages)) for i, s in stages
+        ),
+    )
+    return replace(costed, schedule_fit_s=cost.schedule_fit_s(costed))
 
 
 def assemble_plan(

@@ -537,7 +537,7 @@ class MembershipMachine:
             self.deaths.append(Death(worker, reason, at, generation))
         for w in victims:
             why = reason if w == worker else f"node {node} is out because worker {tuple(worker)}: {reason}"
-            log.warning("worker %s declared dead: %s", tuple(w), why)
+            log.info("worker %s declared dead: %s", tuple(w), why)
             peer = self._alive.pop(w)
             self.deaths.append(Death(w, why, at, generation))
             self._send(peer, "fenced", reason=why)

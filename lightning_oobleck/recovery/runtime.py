@@ -323,7 +323,7 @@ class Recovery:
                     raise PeerFailure("a failure was announced before the unit started")
                 result = unit(self.engine)
             except PeerFailure as e:
-                log.warning("unit %d interrupted: %s", self.ledger.done, e)
+                log.info("unit %d interrupted: %s", self.ledger.done, e)
                 adopted = self.recover()
                 if adopted is None:
                     continue
@@ -473,7 +473,7 @@ class Recovery:
                 return None
             if self.ledger.done == newest - 1:
                 source = next(w for w, r in members.items() if r["done"] == newest)
-                log.warning("unit %d was completed by other survivors: adopting its result", self.ledger.done)
+                log.info("unit %d was completed by other survivors: adopting its result", self.ledger.done)
                 return self._read(membership, source, "result")
             raise UnrecoverableFailure(
                 f"this worker completed {self.ledger.done} units, other survivors {newest}: the unit "
@@ -538,8 +538,6 @@ class Recovery:
                 event.fault_tolerance,
                 tolerated,
             )
-        for warning in event.warnings:
-            log.warning("%s", warning)
         if membership.workers[0] == self.worker:
             self._unlogged.append((event, self.ledger.steps))
             self.log_events(self.events)

@@ -44,15 +44,20 @@ class StartFailure(RuntimeError):
     """The run cannot start: the workers lost before the first step took what the survivors need."""
 
 
+class PlanFailure(RuntimeError):
+    """No plan could be made (a configuration the planner refuses, a model that cannot be profiled): raised
+    alike on the worker that planned and on every worker that waited for its plan."""
+
+
 def publish_plan(store: dist.Store, make_plan: Callable[[], Plan], who: str = "rank 0") -> Plan:
-    """Make the plan and publish it; the first plan published wins and is returned (also on failure of
-    ``make_plan``, whose error is published for the readers before it is raised here)."""
+    """Make the plan and publish it; the first plan published wins and is returned. When ``make_plan``
+    fails, its error is published for the readers and raised here as the same :class:`PlanFailure`."""
     try:
         value = make_plan().to_json()
     except Exception as e:
         error = f"{who} could not make a plan: {type(e).__name__}: {e}"
         store.compare_set(PLAN_KEY, "", json.dumps({"error": error}))
-        raise
+        raise PlanFailure(error) from e
     return _parse(store.compare_set(PLAN_KEY, "", value))
 
 
@@ -74,7 +79,7 @@ def read_plan(store: dist.Store, timeout_s: float, abort: threading.Event | None
 def _parse(value: bytes) -> Plan:
     message = json.loads(value)
     if "error" in message:
-        raise RuntimeError(message["error"])
+        raise PlanFailure(message["error"])
     return Plan.from_dict(message)
 
 

@@ -1,11 +1,15 @@
 """Wrong use of the strategy fails with a message that names the problem and the fix.
 
-Configuration mistakes are caught when the strategy or the Trainer is built, before any process starts;
-mistakes only visible inside a worker (the module, the Trainer's loop flags) reach the caller through
-the launcher's error with the worker's message.
+Configuration mistakes are caught when the strategy or the Trainer is built, and the module and the
+Trainer's loop flags when ``fit``/``predict`` is called, all in the launching process before any worker
+starts; mistakes only visible inside a worker reach the caller through the launcher's error with the
+worker's message.
 """
 
 from __future__ import annotations
+
+import time
+from collections.abc import Callable
 
 import lightning as L
 import pytest
@@ -136,16 +140,34 @@ def test_missing_layer_hook_shows_the_fix() -> None:
         meta_layers(NoLayers())
 
 
-@pytest.mark.timeout(120)
-def test_errors_inside_the_workers_reach_the_caller_with_the_fix() -> None:
-    with pytest.raises(LaunchError, match="mix PipelineModule into it"):
-        trainer(2, strategy(layout=[[0, 6], [0, 6]])).fit(NotAPipeline(), train_loader())
-    with pytest.raises(
-        LaunchError, match=r"accumulate_grad_batches=2 .*\(global_batch_size=16 is equivalent\)"
-    ):
-        trainer(2, strategy(layout=[[0, 6], [0, 6]]), accumulate_grad_batches=2).fit(
-            TinyNet(), train_loader()
-        )
+class ManualOptimisation(TinyNet):
+    def __init__(self) -> None:
+        super().__init__()
+        self.automatic_optimization = False
+
+
+@pytest.mark.parametrize(
+    ("call", "error", "message"),
+    [
+        (lambda t: t.fit(NotAPipeline(), train_loader()), TypeError, "mix PipelineModule into it"),
+        (
+            lambda t: t.fit(TinyNet(), train_loader()),
+            ValueError,
+            r"accumulate_grad_batches=2 .*OobleckStrategy\(global_batch_size=...\) 2x the samples per step",
+        ),
+        (lambda t: t.fit(ManualOptimisation(), train_loader()), ValueError, "automatic optimisation only"),
+        (lambda t: t.predict(TinyNet(), train_loader()), NotImplementedError, "oobleck consolidate"),
+    ],
+)
+def test_what_cannot_run_is_refused_in_the_launching_process_before_any_worker_starts(
+    call: Callable[[L.Trainer], object], error: type[Exception], message: str
+) -> None:
+    t = trainer(2, strategy(layout=[[0, 6], [0, 6]]), accumulate_grad_batches=2)
+    started = time.monotonic()
+    with pytest.raises(error, match=message):
+        call(t)
+    assert not t.strategy.launcher.procs  # no worker was started
+    assert time.monotonic() - started < 5
 
 
 class ScaleBlock(nn.Module):
@@ -189,7 +211,7 @@ class ClipsInAnotherHook(TinyNet):
 def test_clipping_by_norm_outside_its_hook_is_refused_not_done_with_a_wrong_norm() -> None:
     """The step computes the model's gradient norm only when the run clips by norm (the Trainer's
     ``gradient_clip_val``, or ``configure_gradient_clipping``): a clip elsewhere would have no norm."""
-    with pytest.raises(LaunchError, match=r"clipped by norm outside `configure_gradient_clipping`"):
+    with pytest.raises(RuntimeError, match=r"clipped by norm outside `configure_gradient_clipping`"):
         trainer(2, strategy(layout=[[0, 6], [0, 6]])).fit(ClipsInAnotherHook(), train_loader(torch.float32))
 
 

@@ -81,7 +81,11 @@ def test_engine_style_call_with_counts_instead_of_a_cluster() -> None:
 @pytest.mark.parametrize(
     ("kwargs", "error", "message"),
     [
-        ({"fault_tolerance": 7}, PlanningError, r"f=7 needs 8 pipelines .* lower --fault-tolerance to 5"),
+        (
+            {"fault_tolerance": 7},
+            PlanningError,
+            r"f=7 needs 8 pipelines .* the fault tolerance to 5 \(OobleckStrategy\(fault_tolerance=5\)",
+        ),
         (
             {"global_batch_size": 510},
             ValueError,

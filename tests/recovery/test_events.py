@@ -74,15 +74,21 @@ def test_bad_inputs_get_errors_that_name_the_fix(tmp_path: Path) -> None:
         short.func(short)
 
 
-def test_the_timeline_marks_a_join_with_the_throughput_before_and_after(tmp_path: Path) -> None:
+def test_the_timeline_marks_a_join_with_the_throughput_before_and_after_the_switch(tmp_path: Path) -> None:
     log = EventLog(tmp_path / "run.jsonl")
     for step in range(6):  # 32 samples per 0.5 s before the join, per 0.25 s after
         log.step(step, samples=32, duration_s=0.5, generation=1, at=10.0 + 0.5 * step)
     join = RecoveryEvent(generation=2, added=[[6, 0], [6, 1]], cause="(6, 0) joined; (6, 1) joined")
     join.detected_at, join.resumed_at = 12.6, 13.0
     log.recovery(join)
-    for step in range(6, 12):
-        log.step(step, samples=32, duration_s=0.25, generation=2, at=13.0 + 0.25 * (step - 5))
+    for step in range(6, 12):  # the first step after the switch also waited for it: not the new rate
+        log.step(
+            step,
+            samples=32,
+            duration_s=0.65 if step == 6 else 0.25,
+            generation=2,
+            at=13.0 + 0.25 * (step - 5),
+        )
     steps, recoveries = read_events(tmp_path / "run.jsonl")
     assert timeline._around(steps, 12.6, 13.0) == pytest.approx((64.0, 128.0))
     output = tmp_path / "run.png"

@@ -40,7 +40,7 @@ from test_fault_matrix import (  # puts tests/lightning (pipeline_testing) on th
 from torch.utils.data import DataLoader
 
 from lightning_oobleck.lightning import GlobalBatchSampler, OobleckStrategy
-from lightning_oobleck.lightning.launcher import LaunchError
+from lightning_oobleck.recovery.runtime import UnrecoverableFailure
 
 KILL_STEP = 2
 KILLED = (1, 2, 4, 5)
@@ -117,7 +117,7 @@ def test_survivors_checkpoint_then_resume_on_another_layout(
     plan_path.write_text(dataclasses.replace(planned(6), n0=3).to_json())
     checkpoint = first / "oobleck-survivors" / f"survivors-step{KILL_STEP}"
 
-    with pytest.raises(LaunchError) as error:
+    with pytest.raises(UnrecoverableFailure) as error:  # raised once, not per survivor
         fit(
             first,
             KillTogether(first, KILL_STEP, KILLED),

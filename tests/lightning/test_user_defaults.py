@@ -1,0 +1,226 @@
+"""A newcomer's own module, written from the README alone, with every ``Trainer`` argument at Lightning's
+default except ``strategy``, ``devices``, ``max_steps`` (and ``precision="64-true"``, to compare weights to
+1e-9): the default ``ModelCheckpoint`` (no ``dirpath``), ``ModelSummary``, progress bar and CSV logger, with
+``example_input_array`` set. Nothing from the test helpers.
+
+The model does not fit on one device (``planner.cluster.device_memory_bytes``), so the plan is two 2-stage
+pipelines over 4 processes: the layout where every rank resolving its own log directory used to leave
+checkpoints without their shards, and the model summary's forward failed on the second stage.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import lightning as L
+import pytest
+import torch
+from torch import nn
+from torch.utils.data import DataLoader, TensorDataset
+
+from lightning_oobleck import OobleckStrategy, PipelineModule, consolidate_checkpoint
+from lightning_oobleck.lightning.callbacks import KillAt
+from lightning_oobleck.lightning.units import CheckpointError
+
+
+class Regressor(PipelineModule, L.LightningModule):
+    def __init__(self) -> None:
+        super().__init__()
+        self.example_input_array = torch.zeros(1, 8)
+
+    def configure_layers(self) -> list[nn.Module]:
+        return [
+            nn.Sequential(nn.Linear(8, 32), nn.Tanh()),
+            nn.Sequential(nn.Linear(32, 32), nn.Tanh()),
+            nn.Sequential(nn.Linear(32, 32), nn.Tanh()),
+            nn.Linear(32, 1),
+        ]
+
+    def compute_loss(self, output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        return nn.functional.mse_loss(output, target)
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.AdamW(self.parameters(), lr=1e-2)
+
+
+class RaisesAtStep3(Regressor):
+    """A bug in the user's code: every rank raises it at step 3 (``rank=None``), or one rank only."""
+
+    def __init__(self, rank: int | None) -> None:
+        super().__init__()
+        self.rank = rank
+
+    def training_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> torch.Tensor:
+        if self.global_step == 3 and self.rank in (None, self.trainer.global_rank):
+            raise ValueError("the learning rate must be positive, got -1")
+        return super().training_step(batch, batch_idx)
+
+
+def data() -> DataLoader:
+    generator = torch.Generator().manual_seed(0)
+    x = torch.randn(256, 8, generator=generator)
+    return DataLoader(TensorDataset(x, x.sum(1, keepdim=True).sin()), batch_size=16, shuffle=True)
+
+
+def fit(
+    module: Regressor,
+    steps: int,
+    devices: int = 4,
+    fault_tolerance: int = 1,
+    ckpt_path: Path | None = None,
+    callbacks: list[L.Callback] | None = None,
+    layout: list[list[int]] | None = None,
+) -> dict[str, torch.Tensor]:
+    strategy = OobleckStrategy(
+        microbatch_size=2,
+        fault_tolerance=fault_tolerance,
+        planner={"cluster": {"device_memory_bytes": 60_000}},  # two devices hold the model
+        layout=layout,
+    )
+    trainer = L.Trainer(
+        strategy=strategy, devices=devices, max_steps=steps, precision="64-true", callbacks=callbacks
+    )
+    trainer.fit(module, data(), ckpt_path=ckpt_path)
+    return {k: v.clone() for k, v in module.state_dict().items()}
+
+
+def assert_same_weights(actual: dict[str, torch.Tensor], expected: dict[str, torch.Tensor]) -> None:
+    assert actual.keys() == expected.keys()
+    for name, value in expected.items():
+        torch.testing.assert_close(actual[name], value, rtol=0, atol=1e-9, msg=name)
+
+
+def assert_reads_like_one_run(console: str) -> None:
+    """No traceback, and each warning printed once, not once per worker."""
+    assert "Traceback" not in console
+    warnings = [line for line in console.splitlines() if re.match(r"\S+\.py:\d+: ", line)]
+    repeated = {line for line in warnings if warnings.count(line) > 1}
+    assert not repeated, repeated
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(tmp_path_factory: pytest.TempPathFactory) -> dict[str, torch.Tensor]:
+    """Eight steps without a failure or a restart."""
+    with pytest.MonkeyPatch.context() as patch:
+        patch.chdir(tmp_path_factory.mktemp("uninterrupted"))
+        return fit(Regressor(), 8)
+
+
+@pytest.mark.timeout(240)
+def test_defaults_train_checkpoint_and_resume_on_another_layout(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, uninterrupted: dict[str, torch.Tensor]
+) -> None:
+    monkeypatch.chdir(tmp_path)
+    halfway = fit(Regressor(), 4)
+
+    # One run directory for every worker, and its default checkpoint is complete: two 2-stage pipelines.
+    assert [p.name for p in (tmp_path / "lightning_logs").iterdir()] == ["version_0"]
+    checkpoint = tmp_path / "lightning_logs" / "version_0" / "checkpoints" / "epoch=0-step=4.ckpt"
+    index = json.loads((checkpoint / "index.json").read_text())["layers"]
+    assert index == {"0": "0.0", "1": "0.0", "2": "1.0", "3": "1.0"}
+    assert all((checkpoint / "shards" / shard / ".metadata").exists() for shard in index.values())
+
+    # Resumed on another layout (one 2-stage pipeline on 2 processes): the uninterrupted run's weights.
+    resumed = fit(Regressor(), 8, devices=2, fault_tolerance=0, ckpt_path=checkpoint)
+    assert_same_weights(resumed, uninterrupted)
+
+    # The checkpoint as one file for any strategy: its weights, loaded on one device.
+    with pytest.raises(ValueError, match=r"sharded checkpoint.*oobleck consolidate"):
+        Regressor.load_from_checkpoint(checkpoint)
+    consolidated = consolidate_checkpoint(checkpoint, tmp_path / "model.ckpt")
+    default_dtype = torch.get_default_dtype()
+    torch.set_default_dtype(torch.float64)  # the module in the precision it was trained in
+    try:
+        single = Regressor.load_from_checkpoint(consolidated)
+    finally:
+        torch.set_default_dtype(default_dtype)
+    assert_same_weights(dict(single.state_dict()), halfway)
+
+
+@pytest.mark.timeout(240)
+def test_defaults_survive_rank_zero_sigkilled_mid_run_and_the_console_reads_like_one_run(
+    tmp_path: Path, uninterrupted: dict[str, torch.Tensor]
+) -> None:
+    """This file run as the user's script (``python test_user_defaults.py``), so that the console is what the
+    user sees: every worker's output included."""
+    run = subprocess.run(
+        [sys.executable, __file__, "weights.pt", "--kill-rank-0-at-step-3"],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=220,
+        check=False,
+    )
+    console = run.stdout + run.stderr
+    assert run.returncode == 0, console[-3000:]
+    assert_same_weights(torch.load(tmp_path / "weights.pt"), uninterrupted)
+    assert_reads_like_one_run(console)
+    assert console.count("lost at step 3") == 1
+    assert "Total params: 2.4 K" in console  # the model summary is the whole model's, not one stage's
+    assert "Oobleck plan: 2 pipelines" in console
+    # The new rank 0 wrote into the same run directory: the final checkpoint is there and complete.
+    assert [p.name for p in (tmp_path / "lightning_logs").iterdir()] == ["version_0"]
+    checkpoint = tmp_path / "lightning_logs" / "version_0" / "checkpoints" / "epoch=0-step=8.ckpt"
+    index = json.loads((checkpoint / "index.json").read_text())["layers"]
+    assert all((checkpoint / "shards" / shard / ".metadata").exists() for shard in index.values())
+
+
+@pytest.mark.timeout(240)
+def test_an_error_in_the_users_code_ends_the_run_with_that_error_once(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.chdir(tmp_path)
+    started = time.monotonic()
+    with pytest.raises(ValueError, match="the learning rate must be positive") as raised:
+        fit(RaisesAtStep3(rank=None), 8)
+    assert time.monotonic() - started < 60
+    assert "in training_step" in "".join(getattr(raised.value, "__notes__", []))  # the worker's traceback
+
+
+@pytest.mark.timeout(240)
+def test_an_error_on_one_rank_is_a_fault_and_is_survived(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, uninterrupted: dict[str, torch.Tensor]
+) -> None:
+    monkeypatch.chdir(tmp_path)
+    assert_same_weights(fit(RaisesAtStep3(rank=2), 8), uninterrupted)
+
+
+@pytest.mark.timeout(240)
+def test_a_hand_written_layout_keeps_its_fault_tolerance(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, uninterrupted: dict[str, torch.Tensor]
+) -> None:
+    """A pinned layout is profiled like an automatic plan: rank 0's loss is recovered in place from the
+    planner's templates."""
+    monkeypatch.chdir(tmp_path)
+    survived = fit(Regressor(), 8, layout=[[0, 1, 4], [0, 1, 4]], callbacks=[KillAt(0, 3)])
+    assert_same_weights(survived, uninterrupted)
+
+
+class SavesToItsOwnPath(L.Callback):
+    """Every worker is given another path, as on nodes that do not share the directory."""
+
+    def on_train_batch_end(self, trainer: L.Trainer, *args: object) -> None:
+        if trainer.global_step == 2:
+            trainer.save_checkpoint(f"ckpt-{trainer.global_rank}")
+
+
+@pytest.mark.timeout(240)
+def test_a_checkpoint_whose_shards_are_elsewhere_is_never_committed(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(CheckpointError, match=r"the shards of worker\(s\) 1\.0 are missing from it"):
+        fit(Regressor(), 4, callbacks=[SavesToItsOwnPath()])
+    assert not list(tmp_path.glob("ckpt-*")) and not list(tmp_path.glob(".ckpt-*"))
+
+
+if (
+    __name__ == "__main__"
+):  # the user's script, for the console test: python test_user_defaults.py OUT [--kill...]
+    kill = [KillAt(0, 3)] if "--kill-rank-0-at-step-3" in sys.argv else None
+    torch.save(fit(Regressor(), 8, callbacks=kill), sys.argv[1])
