@@ -1,8 +1,8 @@
 """The strategy's configuration: one dataclass, usable as an OmegaConf structured config.
 
-``OobleckStrategy(**fields)`` and ``OobleckStrategy.from_config(cfg)`` take the same keys; a YAML file with a
-``strategy:`` section plus command-line dot-list overrides (``strategy.fault_tolerance=2``) is the usual way
-to set them (see ``examples/gpt/config.yaml``).
+``OobleckStrategy(...)`` (a typed keyword argument per field) and ``OobleckStrategy.from_config(cfg)`` take
+the same keys; a YAML file with a ``strategy:`` section plus command-line dot-list overrides
+(``strategy.fault_tolerance=2``) is the usual way to set them (see ``examples/gpt/config.yaml``).
 """
 
 from __future__ import annotations

@@ -24,12 +24,12 @@ import itertools
 import os
 import signal
 import warnings
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import replace
 from datetime import timedelta
 from functools import partial
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Literal
 
 import torch
 import torch.distributed as dist
@@ -58,7 +58,7 @@ from lightning_oobleck.execution.checkpoint import (
 )
 from lightning_oobleck.execution.process_groups import backend_for, check_plan_size
 from lightning_oobleck.execution.stage import Tie, build_stage, find_ties
-from lightning_oobleck.lightning.config import OobleckConfig, load_oobleck_config
+from lightning_oobleck.lightning.config import OobleckConfig, StartMethod, load_oobleck_config
 from lightning_oobleck.lightning.console import print_start, show_warnings_on_rank_zero
 from lightning_oobleck.lightning.data import (
     DataPosition,
@@ -100,23 +100,53 @@ if TYPE_CHECKING:
 class OobleckStrategy(ParallelStrategy, PipelineExecutor):
     """Train a :class:`~lightning_oobleck.lightning.module.PipelineModule` as Oobleck pipelines.
 
-    Keyword arguments are the fields of :class:`~lightning_oobleck.lightning.config.OobleckConfig`
-    (``global_batch_size``, ``microbatch_size``, ``fault_tolerance``, ``devices_per_node``, ...).
+    The options are the fields of :class:`~lightning_oobleck.lightning.config.OobleckConfig`, which documents
+    each (``OobleckStrategy.from_config`` reads them from a YAML file or an OmegaConf node):
+
+    * the batch: ``global_batch_size`` (default: the loader's ``batch_size``), ``microbatch_size``;
+    * the guarantee: ``fault_tolerance`` (node failures survived at once), ``devices_per_node`` (processes
+      that fail together);
+    * the plan: ``planner`` (e.g. ``{"cluster": {"device_memory_bytes": 80e9}}``), ``schedule``,
+      ``activation_checkpointing``, ``profile_path``, ``profile_cache_dir``, ``plan_path``, ``layout`` and
+      ``microbatches`` (your own stages, still recovered from the planner's templates);
+    * failures: ``heartbeat_timeout_s`` < ``collective_timeout_s`` <= ``hang_timeout_s``, ``plan_timeout_s``,
+      ``join_policy``, ``replace_failed_after_s``;
+    * the rest: ``seed`` (sample order), ``backend``, ``start_method`` (local launcher).
     """
 
     strategy_name = "oobleck"
 
     def __init__(
         self,
-        config: OobleckConfig | None = None,
         *,
+        global_batch_size: int | None = None,
+        microbatch_size: int | None = None,
+        fault_tolerance: int = 1,
+        devices_per_node: int | None = None,
+        seed: int = 0,
+        backend: str | None = None,
+        heartbeat_timeout_s: float = 5.0,
+        collective_timeout_s: float = 60.0,
+        hang_timeout_s: float = 1800.0,
+        plan_timeout_s: float = 300.0,
+        start_method: StartMethod = "forkserver",
+        planner: Mapping[str, Any] | None = None,
+        profile_path: str | Path | None = None,
+        profile_cache_dir: str | Path | None = None,
+        plan_path: str | Path | None = None,
+        layout: Sequence[Sequence[int]] | None = None,
+        activation_checkpointing: bool | Literal["auto"] = False,
+        microbatches: Sequence[int] | None = None,
+        schedule: Literal["1f1b", "zb-h1"] = "1f1b",
+        join_policy: Literal["at_once", "whole_template", "hot_standby"] = "at_once",
+        replace_failed_after_s: float | None = None,
         accelerator: Any = None,
         parallel_devices: list[torch.device] | None = None,
         cluster_environment: OobleckEnvironment | None = None,
         checkpoint_io: Any = None,
         precision_plugin: Precision | None = None,
-        **config_fields: Any,
     ) -> None:
+        options = {k: v for k, v in locals().items() if k in OobleckConfig.__dataclass_fields__}
         super().__init__(
             accelerator=accelerator,
             parallel_devices=parallel_devices,
@@ -124,7 +154,11 @@ class OobleckStrategy(ParallelStrategy, PipelineExecutor):
             checkpoint_io=checkpoint_io,
             precision_plugin=precision_plugin,
         )
-        self.config = load_oobleck_config({**_as_dict(config), **config_fields})
+        options["planner"] = dict(planner or {})
+        options["layout"] = None if layout is None else [list(bounds) for bounds in layout]
+        options["microbatches"] = None if microbatches is None else list(microbatches)
+        options.update({k: str(v) for k, v in options.items() if isinstance(v, Path)})
+        self.config = load_oobleck_config(options)
         self.config.validate()
         self._num_nodes = 1
         self._groups: ProcessGroups | None = None
@@ -143,8 +177,9 @@ class OobleckStrategy(ParallelStrategy, PipelineExecutor):
 
     @classmethod
     def from_config(cls, cfg: Any, **kwargs: Any) -> OobleckStrategy:
-        """From an OmegaConf node, a dict or a YAML path holding :class:`OobleckConfig` keys."""
-        return cls(load_oobleck_config(cfg), **kwargs)
+        """From an OmegaConf node, a dict or a YAML path holding :class:`OobleckConfig` keys (unknown keys and
+        wrong types refused with the valid keys named); ``kwargs``: the strategy's other arguments."""
+        return cls(**_as_dict(load_oobleck_config(cfg)), **kwargs)
 
     # ------------------------------------------------------------------ topology
     @property
@@ -813,9 +848,7 @@ PROFILE_CACHE = "oobleck-profiles"
 """Default profile cache, in the Trainer's ``default_root_dir``."""
 
 
-def _as_dict(config: OobleckConfig | None) -> dict[str, Any]:
-    if config is None:
-        return {}
+def _as_dict(config: OobleckConfig) -> dict[str, Any]:
     return {k: getattr(config, k) for k in OobleckConfig.__dataclass_fields__}
 
 

@@ -8,6 +8,8 @@ worker's message.
 
 from __future__ import annotations
 
+import dataclasses
+import inspect
 import time
 from collections.abc import Callable
 
@@ -236,3 +238,16 @@ def test_batch_sizes_default_to_the_loaders_batch_and_two_microbatches_per_proce
 def test_a_fault_drill_that_cannot_happen_is_refused(options: dict, message: str) -> None:
     with pytest.raises(ValueError, match=message):
         KillAt(1, 5, **options)
+
+
+def test_every_setting_is_a_typed_keyword_argument_with_the_configs_default() -> None:
+    """What an IDE completes and ``help()`` shows: OobleckConfig's fields, their defaults the same."""
+    parameters = inspect.signature(OobleckStrategy).parameters
+    for field in dataclasses.fields(OobleckConfig):
+        parameter = parameters[field.name]
+        assert parameter.kind is inspect.Parameter.KEYWORD_ONLY and parameter.annotation is not None
+        default = {} if field.default is dataclasses.MISSING else field.default
+        assert (parameter.default or {} if field.name == "planner" else parameter.default) == default, (
+            field.name
+        )
+    assert OobleckStrategy(layout=((0, 3, 6), (0, 6))).config.layout == [[0, 3, 6], [0, 6]]

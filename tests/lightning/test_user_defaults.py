@@ -26,6 +26,7 @@ from torch.utils.data import DataLoader, TensorDataset
 from lightning_oobleck import OobleckStrategy, PipelineModule, consolidate_checkpoint
 from lightning_oobleck.lightning.callbacks import KillAt
 from lightning_oobleck.lightning.units import CheckpointError
+from lightning_oobleck.recovery.startup import PlanFailure
 
 
 class Regressor(PipelineModule, L.LightningModule):
@@ -219,8 +220,18 @@ def test_a_checkpoint_whose_shards_are_elsewhere_is_never_committed(
     assert not list(tmp_path.glob("ckpt-*")) and not list(tmp_path.glob(".ckpt-*"))
 
 
-if (
-    __name__ == "__main__"
-):  # the user's script, for the console test: python test_user_defaults.py OUT [--kill...]
+@pytest.mark.timeout(240)
+def test_a_configuration_the_planner_refuses_ends_the_run_in_one_message(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """f = 3 needs 4 pipelines of n0 = 2 nodes: every worker learns it from the plan, and the caller gets it
+    once, naming the argument to change."""
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(PlanFailure, match=r"the fault tolerance to 1 \(OobleckStrategy\(fault_tolerance=1\)"):
+        fit(Regressor(), 2, fault_tolerance=3)
+
+
+# The user's script of the console test: python test_user_defaults.py OUT [--kill-rank-0-at-step-3]
+if __name__ == "__main__":
     kill = [KillAt(0, 3)] if "--kill-rank-0-at-step-3" in sys.argv else None
     torch.save(fit(Regressor(), 8, callbacks=kill), sys.argv[1])

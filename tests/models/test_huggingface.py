@@ -237,5 +237,5 @@ def test_the_example_script_trains_and_survives_its_kill_flag(name: str, victim:
     )
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
     assert "Oobleck plan: 2 pipelines, f=1" in run.stdout
-    assert f"node(s) {victim} lost at step 5" in run.stdout + run.stderr
+    assert f"node(s) {victim} lost at step 4" in run.stdout + run.stderr
     assert "done: 8 steps" in run.stdout

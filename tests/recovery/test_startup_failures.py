@@ -23,7 +23,7 @@ from test_realistic_loop import LoopFaults, RealisticNet, check_loop, fit_loop
 from test_realistic_loop import loop_reference as loop_reference  # the fixture
 
 from lightning_oobleck.lightning.environment import NODE_VAR
-from lightning_oobleck.lightning.launcher import LaunchError
+from lightning_oobleck.recovery.startup import StartFailure
 
 REGISTER, PLANNING, SETUP, SANITY = "register", "planning", "setup", "sanity"
 
@@ -98,7 +98,7 @@ def test_the_planner_lost_while_it_plans_and_a_worker_lost_in_setup(
 def test_a_start_the_survivors_cannot_train_without_ends_at_once_naming_the_lost_node(tmp_path: Path) -> None:
     """One pipeline of 3 nodes (f = 0): node 1 dies before registering; no pipeline fits on the others."""
     started = time.monotonic()
-    with pytest.raises(LaunchError, match=r"node\(s\) \[1\] were lost before training started"):
+    with pytest.raises(StartFailure, match=r"node\(s\) \[1\] were lost before training started"):
         fit_loop(
             tmp_path,
             LoopFaults(tmp_path, {}),
