@@ -547,14 +547,17 @@ _CANNOT_GO_ON = (UnrecoverableFailure, StartFailure)
 
 
 def _training_error(workdir: Path, rank: int) -> str | None:
-    """The last line of the traceback of the ``Exception`` that ended ``rank`` (not a stop such as
-    ``SystemExit`` or Lightning's ``SIGTERMException``, which every worker raises together by design)."""
+    """What identifies the ``Exception`` that ended ``rank``: the last line of its traceback, or its type when
+    survivors could not go on; ``None`` for a stop such as ``SystemExit`` or Lightning's
+    ``SIGTERMException``, which every worker raises together by design."""
     text = read_error(workdir, rank)
     if text is None:
         return None
     exception = read_exception(workdir, rank)
     if exception is not None and not isinstance(exception, Exception):
         return None
+    if isinstance(exception, _CANNOT_GO_ON):  # its message names the workers each survivor saw lost
+        return type(exception).__name__
     return text.strip().splitlines()[-1]
 
 

@@ -61,6 +61,7 @@ from test_fault_matrix import (
 from torch.utils.data import DataLoader
 
 from lightning_oobleck.execution import PeerFailure
+from lightning_oobleck.execution.checkpoint import INDEX_FILE, METADATA_FILE, missing_shards
 from lightning_oobleck.lightning import GlobalBatchSampler, OobleckStrategy
 from lightning_oobleck.lightning import units as units_module
 from lightning_oobleck.lightning.units import EVENTS_FILE
@@ -301,7 +302,9 @@ def check_loop(
     # checkpoints: every one complete, none half-written
     saved = sorted((out / "ckpt").iterdir())
     assert [p.name for p in saved] == ["epoch=0-step=4.ckpt", "epoch=1-step=8.ckpt"]
-    assert all((p / "index.json").exists() and (p / "lightning.pt").exists() for p in saved)
+    for checkpoint in saved:  # every shard the index lists is there, complete
+        shards = set(json.loads((checkpoint / INDEX_FILE).read_text())["layers"].values())
+        assert (checkpoint / METADATA_FILE).exists() and not missing_shards(checkpoint, shards), checkpoint
     assert not list((out / "ckpt").glob(".*"))
     _, recoveries = read_events(out / "logs" / "version_0" / EVENTS_FILE)
     assert sorted(w[0] for e in recoveries for w in e.removed) == sorted(dead - lost_before_start)
