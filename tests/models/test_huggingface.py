@@ -158,10 +158,11 @@ def test_recovers_from_a_sigkill_to_the_weights_of_the_unmodified_model(
     assert_same(weights, expected)
     _, recoveries = read_events(tmp_path / EVENTS_FILE)
     assert [event.removed for event in recoveries] == [[[victim, 0]]]
-    plan = Plan.load(tmp_path / "first-plan.json")
-    assert [[(s.first_layer, s.end_layer) for s in p.stages] for p in plan.pipelines] == [
-        [(0, 3), (3, 6)]
-    ] * 2
+    plan = Plan.load(tmp_path / "first-plan.json")  # its split follows the measured times: not asserted
+    assert [len(p.stages) for p in plan.pipelines] == [2, 2]
+    assert all(
+        p.stages[0].first_layer == 0 and p.stages[1].end_layer == plan.num_layers for p in plan.pipelines
+    )
 
 
 class FirstPlan(L.Callback):
