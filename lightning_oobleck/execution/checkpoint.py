@@ -29,7 +29,6 @@ import json
 import os
 import re
 import shutil
-import tempfile
 import warnings
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from contextlib import contextmanager
@@ -40,7 +39,7 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import nn
-from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+from torch.distributed.checkpoint import FileSystemReader, TensorStorageMetadata
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
     get_model_state_dict,
@@ -298,14 +297,9 @@ def consolidate_checkpoint(path: str | Path, output: str | Path) -> Path:
     index = json.loads((path / INDEX_FILE).read_text())
     layers: dict[str, str] = index["layers"]
     state_dict: dict[str, torch.Tensor] = {}
-    with tempfile.TemporaryDirectory(prefix="oobleck-consolidate-") as tmp:
-        for shard in sorted(set(layers.values())):
-            plain = Path(tmp) / f"{shard}.pt"
-            with _one_process():
-                dcp_to_torch_save(path / SHARDS_DIR / shard, plain)
-            model = torch.load(plain, weights_only=True)["model"]
-            state_dict.update({k: v for k, v in model.items() if layers.get(str(layer_of(k))) == shard})
-            plain.unlink()
+    for shard in sorted(set(layers.values())):
+        model = _stored_model(path / SHARDS_DIR / shard)
+        state_dict.update({k: v for k, v in model.items() if layers.get(str(layer_of(k))) == shard})
     missing = sorted(set(map(int, layers)) - {layer_of(k) for k in state_dict})
     if missing:
         raise ValueError(f"the checkpoint at {path} lists layers {missing} but its shards do not hold them")
@@ -316,6 +310,19 @@ def consolidate_checkpoint(path: str | Path, output: str | Path) -> Path:
     output.parent.mkdir(parents=True, exist_ok=True)
     torch.save(checkpoint, output)
     return output
+
+
+def _stored_model(shard: Path) -> dict[str, torch.Tensor]:
+    """Every model entry a shard holds (its parameters and buffers), read from the shard's own metadata."""
+    stored = FileSystemReader(shard).read_metadata().state_dict_metadata
+    entries = {
+        key.removeprefix("model."): torch.empty(meta.size, dtype=meta.properties.dtype)
+        for key, meta in stored.items()
+        if key.startswith("model.") and isinstance(meta, TensorStorageMetadata)
+    }
+    with _one_process():
+        dcp.load({"model": entries}, checkpoint_id=shard, no_dist=True)
+    return entries
 
 
 def refuse_sharded(path: str | Path, where: str) -> None:

@@ -802,8 +802,9 @@ class OobleckStrategy(ParallelStrategy, PipelineExecutor):
             )
 
     def _refuse_before_launch(self, trainer: Trainer, args: tuple[Any, ...]) -> None:
-        """The launcher's check of ``trainer.fit/validate/test/predict(model, ...)``, before workers start."""
-        self._check_trainer(trainer, args[0] if args else None)
+        """The launcher's check of ``trainer.fit/validate/test/predict(model, ...)``, before workers start
+        (``model=None``: the module of an earlier run of this Trainer)."""
+        self._check_trainer(trainer, args[0] if args and args[0] is not None else trainer.lightning_module)
 
     def _check_precision(self) -> None:
         if isinstance(self.precision_plugin, MixedPrecision) and self.precision_plugin.scaler is not None:

@@ -1,7 +1,8 @@
 """A newcomer's own module, written from the README alone, with every ``Trainer`` argument at Lightning's
 default except ``strategy``, ``devices``, ``max_steps`` (and ``precision="64-true"``, to compare weights to
 1e-9): the default ``ModelCheckpoint`` (no ``dirpath``), ``ModelSummary``, progress bar and CSV logger, with
-``example_input_array`` set. Nothing from the test helpers.
+``example_input_array`` set, in the loop users run (validation, a loader worker, a per-step LR schedule,
+float32 data). Nothing from the test helpers.
 
 The model does not fit on one device (``planner.cluster.device_memory_bytes``), so the plan is two 2-stage
 pipelines over 4 processes: the layout where every rank resolving its own log directory used to leave
@@ -45,8 +46,10 @@ class Regressor(PipelineModule, L.LightningModule):
     def compute_loss(self, output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
         return nn.functional.mse_loss(output, target)
 
-    def configure_optimizers(self) -> torch.optim.Optimizer:
-        return torch.optim.AdamW(self.parameters(), lr=1e-2)
+    def configure_optimizers(self) -> dict:
+        optimizer = torch.optim.AdamW(self.parameters(), lr=1e-2)
+        schedule = torch.optim.lr_scheduler.StepLR(optimizer, step_size=3, gamma=0.5)
+        return {"optimizer": optimizer, "lr_scheduler": {"scheduler": schedule, "interval": "step"}}
 
 
 class RaisesAtStep3(Regressor):
@@ -62,10 +65,11 @@ class RaisesAtStep3(Regressor):
         return super().training_step(batch, batch_idx)
 
 
-def data() -> DataLoader:
-    generator = torch.Generator().manual_seed(0)
-    x = torch.randn(256, 8, generator=generator)
-    return DataLoader(TensorDataset(x, x.sum(1, keepdim=True).sin()), batch_size=16, shuffle=True)
+def data(seed: int = 0, workers: int = 1) -> DataLoader:
+    """Float32 samples (trained under ``64-true``): 8 steps of 16 an epoch, then validation."""
+    x = torch.randn(128, 8, generator=torch.Generator().manual_seed(seed))
+    samples = TensorDataset(x, x.sum(1, keepdim=True).sin())
+    return DataLoader(samples, batch_size=16, shuffle=workers > 0, num_workers=workers)
 
 
 def fit(
@@ -86,7 +90,7 @@ def fit(
     trainer = L.Trainer(
         strategy=strategy, devices=devices, max_steps=steps, precision="64-true", callbacks=callbacks
     )
-    trainer.fit(module, data(), ckpt_path=ckpt_path)
+    trainer.fit(module, data(), data(seed=1, workers=0), ckpt_path=ckpt_path)
     return {k: v.clone() for k, v in module.state_dict().items()}
 
 
@@ -229,6 +233,26 @@ def test_a_configuration_the_planner_refuses_ends_the_run_in_one_message(
     monkeypatch.chdir(tmp_path)
     with pytest.raises(PlanFailure, match=r"the fault tolerance to 1 \(OobleckStrategy\(fault_tolerance=1\)"):
         fit(Regressor(), 2, fault_tolerance=3)
+
+
+@pytest.mark.timeout(240)
+def test_validate_and_test_equal_one_device_on_the_same_checkpoint(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The other entry points, with the defaults on: ``validate(model, ckpt_path=...)`` and then ``test()``
+    with that run's module (``model=None``) on the pipelines equal one device on the consolidated file."""
+    monkeypatch.chdir(tmp_path)
+    fit(Regressor(), 4)
+    checkpoint = tmp_path / "lightning_logs" / "version_0" / "checkpoints" / "epoch=0-step=4.ckpt"
+    strategy = OobleckStrategy(microbatch_size=2, planner={"cluster": {"device_memory_bytes": 60_000}})
+    trainer = L.Trainer(strategy=strategy, devices=4, precision="64-true")
+    validated = trainer.validate(Regressor(), data(seed=1, workers=0), ckpt_path=checkpoint)
+    tested = trainer.test(dataloaders=data(seed=1, workers=0))
+    single = L.Trainer(devices=1, precision="64-true", strategy="auto")
+    consolidated = consolidate_checkpoint(checkpoint, tmp_path / "model.ckpt")
+    expected = single.validate(Regressor(), data(seed=1, workers=0), ckpt_path=consolidated)
+    assert validated[0]["val_loss"] == pytest.approx(expected[0]["val_loss"], rel=0, abs=1e-9)
+    assert tested[0]["test_loss"] == pytest.approx(expected[0]["val_loss"], rel=0, abs=1e-9)
 
 
 # The user's script of the console test: python test_user_defaults.py OUT [--kill-rank-0-at-step-3]
