@@ -9,6 +9,7 @@ schema may define ``validate(self) -> None`` raising ``ValueError`` for constrai
 from __future__ import annotations
 
 import dataclasses
+import difflib
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, TypeVar
@@ -39,22 +40,29 @@ def load_config(schema: type[T], path: str | Path | None = None, overrides: Sequ
     for item in overrides:
         if "=" not in item:
             raise ConfigError(f"override {item!r} is not KEY=VALUE (e.g. cluster.num_nodes=16)")
-    config = OmegaConf.structured(schema)
-    source = "the overrides"
+    if path is None:
+        return structured(schema, OmegaConf.from_dotlist(list(overrides)), source="the overrides")
+    if not Path(path).is_file():
+        raise ConfigError(f"config file {path} not found: pass an existing YAML file")
     try:
-        if path is not None:
-            source = str(path)
-            if not Path(path).is_file():
-                raise ConfigError(f"config file {path} not found: pass an existing YAML file")
-            config = OmegaConf.merge(config, OmegaConf.load(path))
-            source = "the overrides"
-        if overrides:
-            config = OmegaConf.merge(config, OmegaConf.from_dotlist(list(overrides)))
-        instance = OmegaConf.to_object(config)
+        node = OmegaConf.load(path)
+    except OmegaConfBaseException as e:
+        raise ConfigError(f"cannot read the configuration from {path}: {e.msg}") from e
+    structured(schema, node, source=str(path))  # its errors name the file
+    return structured(schema, node, OmegaConf.from_dotlist(list(overrides)), source="the overrides")
+
+
+def structured(schema: type[T], *nodes: Any, source: str) -> T:
+    """An instance of the dataclass ``schema``: its defaults, then ``nodes`` (OmegaConf nodes or dicts) merged
+    over them, then its ``validate()``. Errors are :class:`ConfigError` naming the key, ``source`` and the
+    fix (an unknown key: the closest valid one and the valid keys)."""
+    try:
+        instance = OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(schema), *nodes))
     except ConfigKeyError as e:
-        raise ConfigError(
-            f"unknown key {e.full_key!r} in {source}; valid keys here: {_valid_keys(e.object_type)}"
-        ) from e
+        valid = _valid_keys(e.object_type)
+        close = difflib.get_close_matches(str(e.key), valid.split(", "), n=1)
+        hint = f" (did you mean {close[0]!r}?)" if close else ""
+        raise ConfigError(f"unknown key {e.full_key!r} in {source}{hint}; valid keys here: {valid}") from e
     except MissingMandatoryValue as e:
         raise ConfigError(f"{e.full_key} has no value: set it in the YAML file or as {e.full_key}=...") from e
     except ValidationError as e:

@@ -36,13 +36,19 @@ def test_yaml_then_overrides_win(tmp_path) -> None:
 
 def test_unknown_key_names_it_and_the_valid_ones(tmp_path) -> None:
     with pytest.raises(
-        ConfigError, match=r"unknown key 'inner.sise' in the overrides; valid keys here: size, rate"
+        ConfigError,
+        match=r"unknown key 'inner.sise' in the overrides \(did you mean 'size'\?\); valid keys here: size",
     ):
         load_config(Outer, overrides=["inner.sise=3"])
     path = tmp_path / "c.yaml"
     path.write_text("nmae: y\n")
-    with pytest.raises(ConfigError, match=rf"unknown key 'nmae' in {path}; valid keys here: name, inner"):
+    with pytest.raises(ConfigError, match=rf"unknown key 'nmae' in {path} \(did you mean 'name'\?\)"):
         load_config(Outer, path)
+    # a key far from any valid one: no guess, the valid keys
+    with pytest.raises(
+        ConfigError, match=r"unknown key 'zzz' in the overrides; valid keys here: name, inner"
+    ):
+        load_config(Outer, overrides=["zzz=1"])
 
 
 def test_wrong_type_malformed_override_missing_file_and_validation(tmp_path) -> None:

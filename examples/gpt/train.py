@@ -162,13 +162,13 @@ def main(argv: list[str] | None = None) -> None:
         logger=False,
         enable_checkpointing=False,
         num_sanity_val_steps=0,
-        enable_model_summary=False,  # it would count only rank 0's layers
         **trainer_cfg,
     )
     train_loader, val_loader = loaders(cfg)
     trainer.fit(model, train_loader, val_loader)
     metrics = {k: f"{float(v):.4f}" for k, v in sorted(trainer.callback_metrics.items())}
-    Console().print(f"done: {trainer.global_step} steps, {metrics}")
+    if trainer.is_global_zero:
+        Console().print(f"done: {trainer.global_step} steps, {metrics}")
     if args.validate is not None:  # a second entry point in the same processes (under SLURM: the same tasks)
         (validated,) = trainer.validate(model, val_loader, verbose=False)
         if trainer.is_global_zero:

@@ -1,4 +1,9 @@
-"""The ``oobleck`` command line: one sub-command per module, each with a ``register(subparsers)``."""
+"""The ``oobleck`` command line: one sub-command per module, each with a ``register(subparsers)``.
+
+A sub-command that runs another command (``oobleck join JOBID -- SCRIPT ARGS``) sets the default
+``trailing=[]``: everything after the first ``--`` is its ``args.trailing``, wherever its options stand
+(argparse alone would let a positional ``nargs="*"`` swallow nothing and then refuse what follows ``--``).
+"""
 
 from __future__ import annotations
 
@@ -32,7 +37,13 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    argv = sys.argv[1:] if argv is None else list(argv)
+    head, trailing = (argv[: argv.index("--")], argv[argv.index("--") + 1 :]) if "--" in argv else (argv, [])
+    parser = build_parser()
+    args = parser.parse_args(head)
+    if not hasattr(args, "trailing") and "--" in argv:
+        parser.error(f"oobleck {args.command} takes no command after '--'")
+    args.trailing = trailing
     try:
         return int(args.func(args) or 0)
     except (CliError, ValueError) as e:

@@ -18,6 +18,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     """Add ``oobleck join`` to the ``oobleck`` command."""
     parser = subparsers.add_parser(
         "join",
+        usage="oobleck join JOBID [--nodes N] [--time T] [--sbatch OPTION] [-- SCRIPT ARGS...]",
         help="add nodes to a running training (a second job whose tasks join it)",
         description="Submit a job whose tasks join the running training of job JOBID at its next step "
         "boundary: the pipelines grow back, nobody restarts. The running job keeps its allocation.",
@@ -32,10 +33,12 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         metavar="OPTION",
         help="one more sbatch option, e.g. --sbatch=--partition=gpu (repeatable)",
     )
-    parser.add_argument(
-        "command", nargs="*", help="the training script and arguments (default: the running job's)"
+    parser.set_defaults(func=run, trailing=[])
+    parser.epilog = (
+        "After '--': the training script and its arguments, as the running job's tasks run them. Not needed "
+        "for jobs started with slurm/oobleck.sbatch or `oobleck submit` with a script (they record theirs); "
+        "needed for a job that submitit runs a Python function in."
     )
-    parser.set_defaults(func=run)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -43,7 +46,7 @@ def run(args: argparse.Namespace) -> int:
         raise CliError(f"--nodes must be at least 1, got {args.nodes}")
     try:
         job_id = submit_join(
-            args.job_id, args.nodes, time_limit=args.time, command=args.command, sbatch_options=args.sbatch
+            args.job_id, args.nodes, time_limit=args.time, command=args.trailing, sbatch_options=args.sbatch
         )
     except SlurmError as e:
         raise CliError(str(e)) from e

@@ -3,7 +3,7 @@
 Submits the config's ``submit:`` section (:class:`~lightning_oobleck.slurm.config.SubmitConfig`) with
 submitit, shows a live status line until the job ends, then a table of what became of each task. Exit status:
 0 when the training finished (nodes lost or failed on the way included), 1 when it failed, 2 for bad input
-(nothing submitted).
+(nothing submitted, or the job's check on its batch host ended it before its tasks started).
 """
 
 from __future__ import annotations
@@ -50,6 +50,12 @@ def run(args: argparse.Namespace) -> int:
         console.print(f"stopped waiting; job {job.job_id} goes on (cancel it with: scancel {job.job_id})")
         return 130
     result = collect(job)
+    if result.not_started is not None:
+        console.print(
+            f"job {job.job_id} ended {result.state} before its tasks started: {result.not_started}",
+            soft_wrap=True, markup=False, highlight=False,
+        )  # fmt: skip
+        return 2
     lost = ", ".join(result.lost_nodes) or "none"
     console.print(f"job {job.job_id} ended {result.state}; lost nodes: {lost}", soft_wrap=True)
     console.print(task_table(result))
@@ -59,12 +65,17 @@ def run(args: argparse.Namespace) -> int:
 
 
 def status_line(status: JobStatus) -> str:
-    """``job 12 RUNNING 0:01:23 · 2/3 tasks done · lost node2``."""
+    """``job 12 RUNNING 0:01:23 · step 50/200 (epoch 0) loss=0.41 0.14 s/step · 2/3 tasks done · lost node2
+    · node(s) 3 (node2) joined at step 60``."""
     minutes, seconds = divmod(int(status.elapsed_s), 60)
     text = f"job {status.job_id} {status.state} {minutes // 60}:{minutes % 60:02d}:{seconds:02d}"
+    if status.progress:
+        text += f" · {status.progress}"
     text += f" · {status.tasks_done}/{status.num_tasks} tasks done"
     if status.lost_nodes:
         text += f" · lost {', '.join(status.lost_nodes)}"
+    if status.joined:
+        text += f" · {status.joined}"
     return text
 
 

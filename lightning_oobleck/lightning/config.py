@@ -11,8 +11,9 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Literal
 
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import DictConfig
 
+from lightning_oobleck.config import load_config, structured
 from lightning_oobleck.planning.schedules import SCHEDULE_NAMES
 from lightning_oobleck.recovery.runtime import JoinPolicy
 
@@ -173,8 +174,6 @@ def load_oobleck_config(cfg: OobleckConfig | DictConfig | dict[str, Any] | str |
     """Merge ``cfg`` (dataclass, OmegaConf node, dict or YAML path) over the defaults, type-checked."""
     if isinstance(cfg, OobleckConfig):
         return cfg
-    node = OmegaConf.load(cfg) if isinstance(cfg, str | Path) else cfg
-    merged = OmegaConf.merge(OmegaConf.structured(OobleckConfig), node)
-    result = OmegaConf.to_object(merged)
-    assert isinstance(result, OobleckConfig)
-    return result
+    if isinstance(cfg, str | Path):
+        return load_config(OobleckConfig, cfg)
+    return structured(OobleckConfig, cfg, source="the strategy's configuration (OobleckConfig)")

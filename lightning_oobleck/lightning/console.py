@@ -5,18 +5,27 @@ Lightning prints its own messages on rank 0 only (``rank_zero_info``/``rank_zero
 raised by library code (a deprecation inside Lightning or torch) print in every process, and a worker knows
 its rank only once the strategy set it. :func:`show_warnings_on_rank_zero` lets a worker print Python
 warnings only while it is rank 0 (the rank of the current generation, so the new rank 0 takes over when the
-old one is lost).
+old one is lost). Where the output is not a terminal (a batch job's output file, a pipe), :class:`StepLines`
+takes the place of Lightning's progress bar: plain lines instead of a bar redrawn with ``\\r`` and escape
+codes (:func:`use_step_lines`).
 """
 
 from __future__ import annotations
 
+import os
+import sys
+import time
 import warnings
 from pathlib import Path
 from typing import Any
 
+import lightning.pytorch as pl
 from lightning.fabric.utilities.rank_zero import rank_zero_only
+from lightning.pytorch.callbacks import RichProgressBar, TQDMProgressBar
+from lightning.pytorch.callbacks.progress.progress_bar import ProgressBar
 from rich.console import Console
 from rich.table import Table
+from typing_extensions import override
 
 from lightning_oobleck.planning.plan import Plan
 
@@ -37,6 +46,92 @@ def show_warnings_on_rank_zero() -> None:
     warnings.showwarning = showwarning
 
 
+class StepLines(ProgressBar):
+    """Lightning's progress as plain lines, printed by the current rank 0 (so by the new one after a failure):
+    ``oobleck: step 50/200 (epoch 0) loss=0.4321 0.14 s/step`` every ``every`` steps and at the end of
+    training, and ``oobleck: validation at step 50: val_loss=0.3561`` after each validation. The values are
+    the progress-bar metrics (``self.log(..., prog_bar=True)``)."""
+
+    def __init__(self, every: int = 50) -> None:
+        super().__init__()
+        self.every = max(every, 1)
+        self._enabled = True
+        self._since: tuple[float, int] | None = None
+
+    @property
+    @override
+    def is_enabled(self) -> bool:
+        return self._enabled
+
+    @override
+    def disable(self) -> None:
+        self._enabled = False
+
+    @override
+    def enable(self) -> None:
+        self._enabled = True
+
+    @override
+    def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        self._trainer = trainer  # every rank keeps it: whichever is rank 0 prints
+
+    @override
+    def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self._since = (time.monotonic(), trainer.global_step)
+
+    @override
+    def on_train_batch_end(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int
+    ) -> None:
+        if trainer.global_step % self.every == 0:
+            self._print_step(trainer, pl_module)
+
+    @override
+    def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        if self._since is None or self._since[1] != trainer.global_step:
+            self._print_step(trainer, pl_module)
+
+    @override
+    def on_validation_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        if not trainer.sanity_checking:
+            self._print(f"validation at step {trainer.global_step}: {self._values(trainer, pl_module)}")
+
+    def _print_step(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        now, step = time.monotonic(), trainer.global_step
+        rate = ""
+        if self._since is not None and step > self._since[1]:
+            rate = f" {(now - self._since[0]) / (step - self._since[1]):.2f} s/step"
+        self._since = (now, step)
+        total = f"/{trainer.max_steps}" if trainer.max_steps > 0 else ""
+        values = self._values(trainer, pl_module)
+        self._print(
+            f"step {step}{total} (epoch {trainer.current_epoch}){' ' + values if values else ''}{rate}"
+        )
+
+    def _values(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> str:
+        metrics = {k: v for k, v in self.get_metrics(trainer, pl_module).items() if k != "v_num"}
+        return " ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}" for k, v in metrics.items())
+
+    def _print(self, line: str) -> None:
+        if self._enabled and rank_zero_only.rank == 0:
+            print(f"oobleck: {line}", flush=True)
+
+
+def output_is_terminal() -> bool:
+    """Whether this process writes to a terminal: ``isatty()``, unless ``TTY_COMPATIBLE=0`` says otherwise
+    (rich's convention; SLURM tasks set it, see :mod:`lightning_oobleck.slurm.task`)."""
+    return sys.stdout.isatty() and os.environ.get("TTY_COMPATIBLE") != "0"
+
+
+def use_step_lines(trainer: pl.Trainer) -> None:
+    """Where this process's output is not a terminal, put :class:`StepLines` in place of Lightning's own
+    progress bar (``TQDMProgressBar``, ``RichProgressBar``), which would write its redrawn frames there."""
+    bar = trainer.progress_bar_callback
+    if bar is None or output_is_terminal() or not isinstance(bar, (TQDMProgressBar, RichProgressBar)):
+        return
+    trainer.callbacks[trainer.callbacks.index(bar)] = StepLines(every=trainer.log_every_n_steps)
+
+
 def print_start(plan: Plan, events: Path | None, profiles: Path | None) -> None:
     """What rank 0 prints when training starts: the plan, and where the run writes what (the events file
     lies in the run's log directory, beside the logs and the default checkpoints)."""
@@ -46,7 +141,7 @@ def print_start(plan: Plan, events: Path | None, profiles: Path | None) -> None:
     if profiles is not None:
         where.append(f"layer profiles in {profiles}")
     if where:
-        console.print(f"oobleck: {'; '.join(where)}", highlight=False)
+        console.print(f"oobleck: {'; '.join(where)}", highlight=False, soft_wrap=True)
 
 
 def plan_table(plan: Plan) -> Table:

@@ -59,7 +59,7 @@ from lightning_oobleck.execution.checkpoint import (
 from lightning_oobleck.execution.process_groups import backend_for, check_plan_size
 from lightning_oobleck.execution.stage import Tie, build_stage, find_ties
 from lightning_oobleck.lightning.config import OobleckConfig, StartMethod, load_oobleck_config
-from lightning_oobleck.lightning.console import print_start, show_warnings_on_rank_zero
+from lightning_oobleck.lightning.console import print_start, show_warnings_on_rank_zero, use_step_lines
 from lightning_oobleck.lightning.data import (
     DataPosition,
     GlobalBatchSampler,
@@ -83,10 +83,12 @@ from lightning_oobleck.lightning.units import (
     LOGGER_VERSIONS,
     FitUnits,
     check_tied_parameter_groups,
+    host_key,
+    host_name,
     logger_versions,
     set_logger_versions,
 )
-from lightning_oobleck.planning.plan import Plan
+from lightning_oobleck.planning.plan import PLAN_CHECK_ENV, Plan, PlanChecked
 from lightning_oobleck.recovery.agent import WorkerAgent, close_process_agent, process_agent
 from lightning_oobleck.recovery.protocol import ADDRESS_ENV, NODE_KEY_ENV, Timeouts
 from lightning_oobleck.recovery.runtime import Admission, join_training
@@ -272,13 +274,17 @@ class OobleckStrategy(ParallelStrategy, PipelineExecutor):
         environment = self._environment()
         module = self._pipeline_module()
         self.config = self.config.with_batch(self._loader_batch_size(), environment.world_size())
+        layers, num_workers = meta_layers(module), environment.world_size()
+        self.ties = find_ties(layers)
+        tied_layers = tuple(tie.layers for tie in self.ties)
+        if os.environ.get(PLAN_CHECK_ENV):  # a check before the job's tasks start: plan, then stop
+            self._check_trainer(self.lightning_module.trainer, self.lightning_module)
+            plan = self._plan(module, len(layers), num_workers)
+            raise PlanChecked(check_plan_size(replace(plan, tied_layers=tied_layers), num_workers))
         # Every run of the process (fit, then validate...) has its own keys: plans, generations, recovery.
         store = self._store = dist.PrefixStore(
             f"oobleck/run{next(_RUNS)}/", _connect_store(environment, self.config)
         )
-        layers, num_workers = meta_layers(module), environment.world_size()
-        self.ties = find_ties(layers)
-        tied_layers = tuple(tie.layers for tie in self.ties)
 
         def make_plan() -> Plan:
             plan = self._plan(module, len(layers), num_workers)
@@ -309,8 +315,10 @@ class OobleckStrategy(ParallelStrategy, PipelineExecutor):
         environment.set_global_rank(self._groups.rank)
         environment.set_world_size(self._groups.world_size)
         rank_zero_only.rank = self._groups.rank
+        store.set(host_key(self._groups.worker[0]), host_name())  # messages name lost nodes' hosts
         if (versions := self._groups.plan.extra.get(LOGGER_VERSIONS)) is not None:
             set_logger_versions(self.lightning_module.trainer, versions)
+        use_step_lines(self.lightning_module.trainer)
 
     def _start_agent(self, worker: tuple[int | None, int], node_key: str | None = None) -> WorkerAgent:
         """This process's agent (registered once per process), with the job's failure-detector timeouts."""

@@ -21,8 +21,10 @@ from __future__ import annotations
 import csv
 import io
 import math
+import os
 import pickle
 import shutil
+import socket
 import time
 import warnings
 from collections.abc import Callable
@@ -73,6 +75,19 @@ LOGGER_VERSIONS = "logger_versions"
 """The plan's (and a joiner's handover's) entry with the run's logger versions (:func:`logger_versions`)."""
 
 EVENTS_FILE = "oobleck-events.jsonl"
+
+
+def host_name() -> str:
+    """This process's host as users name it: SLURM's node name in a SLURM task, else the hostname."""
+    return os.environ.get("SLURMD_NODENAME") or socket.gethostname()
+
+
+def host_key(node: int) -> str:
+    """The run store's key of the host that node ``node``'s workers run on (each worker sets it at its
+    start: a joiner too)."""
+    return f"hosts/{node}"
+
+
 """The recovery and step records of a run, in the trainer's log directory (``oobleck timeline``)."""
 
 _REDUCE_OPS = {
@@ -137,7 +152,9 @@ class FitUnits:
         )
         # The log directory is agreed by a broadcast: a unit, recovered like the others.
         root = Path(trainer.log_dir or trainer.default_root_dir)
-        self.events = EventLog(root / EVENTS_FILE, logger=trainer.logger)
+        # This fit's rank 0 at its start begins the file: a run never appends to an earlier job's records.
+        first_writer = admission is None and engine.groups.rank == 0
+        self.events = EventLog(root / EVENTS_FILE, logger=trainer.logger, new=first_writer)
         self.recovery.log_events(self.events)
 
     @property
@@ -399,15 +416,25 @@ class FitUnits:
         layout = f"{pipelines} on {len(plan.nodes)} nodes, f={plan.fault_tolerance}"
         if lost := sorted({node for node, _ in event.removed}):
             rank_zero_info(
-                f"oobleck: node(s) {', '.join(map(str, lost))} lost at step {recovery.ledger.steps} "
+                f"oobleck: node(s) {self._named(lost)} lost at step {recovery.ledger.steps} "
                 f"[{event.cause}]; training goes on: {layout}, recovered in "
                 f"{event.durations().get('total', 0.0):.2f} s"
             )
         for warning in event.warnings:  # a line of the run's story, like the one above (no source path)
             rank_zero_info(f"oobleck: warning: {warning}")
         if joined := sorted({node for node, _ in event.added}):
-            nodes = ", ".join(map(str, joined))
+            nodes = self._named(joined)
             rank_zero_info(f"oobleck: node(s) {nodes} joined at step {recovery.ledger.steps}: {layout}")
+
+    def _named(self, nodes: list[int]) -> str:
+        """``1 (gpu-17), 3 (gpu-22)``: node ids with the hosts their workers reported, where that is not this
+        host (a local run's nodes share one)."""
+        store, here, names = self.strategy._store, host_name(), []
+        for node in nodes:
+            key = host_key(node)
+            host = store.get(key).decode() if store is not None and store.check([key]) else here
+            names.append(str(node) if host == here else f"{node} ({host})")
+        return ", ".join(names)
 
     def flush_loggers(self) -> None:
         """Write what rank 0's loggers hold, so that a new rank 0 continues from it if this one is lost."""

@@ -333,3 +333,20 @@ def _template_from_dict(d: dict[str, Any], gpus_per_node: int) -> PipelineTempla
         microbatches=int(d.get("microbatches", 0)),
         schedule_fit_s=None if d.get("schedule_fit_s") is None else _pair(d["schedule_fit_s"]),
     )
+
+
+PLAN_CHECK_ENV = "OOBLECK_PLAN_CHECK"
+"""Set in a process that only checks a job before its tasks start (``python -m lightning_oobleck.slurm.task
+--check``): the strategy makes the job's plan and raises :class:`PlanChecked` in place of training."""
+
+
+class PlanChecked(Exception):
+    """The plan a job would start with, raised in place of training under :data:`PLAN_CHECK_ENV`."""
+
+    def __init__(self, plan: Plan) -> None:
+        stages = ", ".join(str(len(p.stages)) for p in plan.pipelines)
+        super().__init__(
+            f"the plan: {len(plan.pipelines)} pipeline(s) of {stages} stage(s) over {len(plan.nodes)} "
+            f"node(s) x {plan.gpus_per_node} device(s), fault tolerance {plan.fault_tolerance}"
+        )
+        self.plan = plan

@@ -95,12 +95,17 @@ class RecoveryEvent:
 
 
 class EventLog:
-    """Appends step and recovery records to a JSONL file, and recovery phase durations to a logger."""
+    """Appends step and recovery records to a JSONL file, and recovery phase durations to a logger.
 
-    def __init__(self, path: str | Path, logger: MetricsLogger | None = None) -> None:
+    ``new``: this run's records start the file (an earlier run's, in the same directory, are removed); the
+    writers that take over later (a new rank 0) append."""
+
+    def __init__(self, path: str | Path, logger: MetricsLogger | None = None, new: bool = False) -> None:
         self.path = Path(path)
         self.path.parent.mkdir(parents=True, exist_ok=True)
         self.logger = logger
+        if new:
+            self.path.unlink(missing_ok=True)
 
     def step(
         self, step: int, samples: int, duration_s: float, generation: int, at: float | None = None

@@ -61,6 +61,18 @@ def partition_size(partition: str | None) -> tuple[str, int]:
     return partition, int(partitions[partition]["TotalNodes"])
 
 
+def partition_gpus(partition: str) -> int:
+    """The most GPUs a node of ``partition`` has (``sinfo``'s generic resources; 0 on a CPU-only cluster)."""
+    most = 0
+    for gres in run("sinfo", "--partition", partition, "--noheader", "--format=%G").split():
+        for resource in gres.split(","):
+            kind, _, rest = resource.partition(":")
+            if kind == "gpu":
+                count = rest.split("(")[0].rsplit(":", 1)[-1]
+                most = max(most, int(count) if count.isdigit() else 1)
+    return most
+
+
 def job_records(job_id: str) -> list[JobRecord]:
     """The job's accounting rows, oldest first (empty until the job reaches accounting)."""
     out = run(

@@ -27,6 +27,7 @@ from pathlib import Path
 
 from lightning_oobleck.recovery.protocol import ADDRESS_ENV, SECRET_ENV
 from lightning_oobleck.slurm.cluster import SlurmError, run
+from lightning_oobleck.slurm.task import MODULE as TASK_MODULE
 
 MODULE = "lightning_oobleck.slurm.join"
 STORE_ADDR_VAR = "OOBLECK_STORE_ADDR"
@@ -45,6 +46,9 @@ class JoinInfo:
     tasks_per_node: int
     command: tuple[str, ...]
     """The training script and its arguments, as the running job's tasks run them (empty: not known)."""
+    setup: tuple[str, ...] = ()
+    """Shell lines the running job ran before its tasks (``submit.setup``: modules, environment); a join
+    job runs them too, so that its tasks train in the same environment."""
 
 
 def join_file(workdir: str | Path, job_id: str) -> Path:
@@ -67,7 +71,7 @@ def read_join_file(path: str | Path) -> JoinInfo:
         raise SlurmError(
             f"no join file {path}: the job is not running an oobleck training, or it has ended"
         ) from None
-    return JoinInfo(**{**fields, "command": tuple(fields["command"])})
+    return JoinInfo(**{**fields, "command": tuple(fields["command"]), "setup": tuple(fields["setup"])})
 
 
 def submit_join(
@@ -94,7 +98,7 @@ def submit_join(
             "`oobleck join JOBID -- SCRIPT [ARGS]`"
         )
     limit = time_limit or _time_left(fields)
-    wrapped = shlex.join([sys.executable, "-m", MODULE, str(path), *command])
+    wrapped = "\n".join([*info.setup, shlex.join([sys.executable, "-m", MODULE, str(path), *command])])
     out = run(
         "sbatch", "--parsable", f"--nodes={nodes}", f"--ntasks-per-node={info.tasks_per_node}",
         f"--time={limit}", f"--chdir={fields['WorkDir']}", f"--job-name=oobleck-join-{job_id}",
@@ -129,7 +133,7 @@ def run_join_step(path: str | Path, command: Sequence[str]) -> None:
         flush=True,
     )
     python = os.environ.get("OOBLECK_PYTHON", sys.executable)
-    os.execvp(SRUN[0], [*SRUN, python, "-m", "lightning_oobleck.slurm.task", "--join", *command])
+    os.execvp(SRUN[0], [*SRUN, python, "-m", TASK_MODULE, "--join", *command])
 
 
 def main(argv: list[str] | None = None) -> None:

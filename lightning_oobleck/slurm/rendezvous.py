@@ -60,10 +60,12 @@ def serve(
     poll_s: float = 1.0,
     bind: str | None = None,
     command: Sequence[str] = (),
+    setup: Sequence[str] = (),
 ) -> None:
     """Host the store on ``port`` (0: any free port) and a coordinator for ``world_size`` workers (any free
     port), print the ``export`` line, write the job's join file (:mod:`~lightning_oobleck.slurm.join`:
-    ``command`` is the training's, for the join jobs), serve until told to stop. The coordinator listens on
+    ``command`` is the training's and ``setup`` its batch script's setup lines, for the join jobs), serve
+    until told to stop. The coordinator listens on
     ``bind`` (default: the address ``host`` resolves to, the interface the tasks reach this host by)."""
     # Imported here, not at the top: ``--detach`` returns the address sooner without torch's import.
     from torch.distributed import TCPStore
@@ -104,7 +106,8 @@ def serve(
             coordinator.secret,
             tasks_per_node,
             tuple(command),
-        )  # type: ignore[arg-type]
+            tuple(setup),
+        )
         write_join_file(joining, info)
     print("export " + " ".join(f"{k}={shlex.quote(v)}" for k, v in exports.items()), flush=True)
     stop = threading.Event()
@@ -196,6 +199,13 @@ def _parser() -> argparse.ArgumentParser:
     )
     parser.add_argument("--log", default=os.devnull, help="with --detach: the server's log file")
     parser.add_argument(
+        "--setup",
+        action="append",
+        default=[],
+        metavar="LINE",
+        help="a shell line the batch script ran before the tasks (repeatable; join jobs run it too)",
+    )
+    parser.add_argument(
         "command", nargs="*", help="the training command the tasks run (for join jobs: oobleck join)"
     )
     return parser
@@ -216,6 +226,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             serve_argv += ["--bind", args.bind]
         if args.watch_pid is not None:
             serve_argv += ["--watch-pid", str(args.watch_pid)]
+        serve_argv += [f"--setup={line}" for line in args.setup]
         serve_argv += ["--", *args.command]
         try:
             print(detach(serve_argv, args.log), flush=True)
@@ -232,6 +243,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             args.heartbeat_timeout,
             bind=args.bind,
             command=args.command,
+            setup=args.setup,
         )
     return 0
 

@@ -20,6 +20,7 @@ batch host by the batch script's setup lines (see :mod:`lightning_oobleck.slurm.
 
 from __future__ import annotations
 
+import re
 import shlex
 import sys
 import time
@@ -32,13 +33,16 @@ import submitit
 
 from lightning_oobleck.slurm import cluster, rendezvous
 from lightning_oobleck.slurm.config import SECTION, SubmitConfig, SubmitConfigError
-from lightning_oobleck.slurm.task import ScriptTask
+from lightning_oobleck.slurm.task import CHECK_ERROR, ScriptTask
+from lightning_oobleck.slurm.task import MODULE as TASK_MODULE
 
 FAULT_TOLERANT_SBATCH: dict[str, Any] = {"no-kill": True, "no-requeue": True}
 """Job options: a node failure neither cancels nor requeues the job (``{"requeue": False}`` would render
 the invalid ``--requeue=False``)."""
 FAULT_TOLERANT_SRUN: tuple[str, ...] = ("--no-kill", "--kill-on-bad-exit=0", "--wait=0")
 """Step options: the step survives a lost node, and no task is killed because another one ended."""
+CHECK_LOG = "check.log"
+"""The check's output (:func:`check_lines`), in the job's folder."""
 RESULT_GRACE_S = 15.0
 """How long a finished job's surviving tasks may take to show their result files (slow shared filesystems)."""
 
@@ -53,6 +57,10 @@ class JobStatus:
     tasks_done: int
     num_tasks: int
     lost_nodes: tuple[str, ...]
+    progress: str = ""
+    """The training's last step line (``step 50/200 (epoch 0) loss=0.41 0.14 s/step``), if one was printed."""
+    joined: str = ""
+    """The last join the training reported (``node(s) 3 (node2) joined at step 196``), if any."""
 
 
 @dataclass
@@ -72,6 +80,8 @@ class SubmitResult:
     """Task id -> its node, for tasks that left no result (their node crashed, or the process was killed)."""
     lost_nodes: tuple[str, ...] = ()
     """Nodes SLURM took out of the job while it ran."""
+    not_started: str | None = None
+    """Why the job ended before its tasks started: the check's line (:func:`check_lines`), else ``None``."""
 
     @property
     def succeeded(self) -> bool:
@@ -97,6 +107,15 @@ def submit(config: SubmitConfig, function: Callable[[], Any] | None = None) -> s
             f"{SECTION}.nodes={config.nodes} but partition '{partition}' has {size} nodes: "
             f"ask for at most {size} or choose another partition ({SECTION}.partition=...)"
         )
+    if config.gpus_per_node:
+        gpus = _partition_gpus(partition)
+        if gpus < config.gpus_per_node:
+            has = f"nodes of {gpus} GPUs" if gpus else "no GPUs"
+            raise SubmitConfigError(
+                f"{SECTION}.gpus_per_node={config.gpus_per_node} but partition '{partition}' has {has}: "
+                f"ask for at most {gpus}{' (a CPU-only cluster)' if not gpus else ''} or choose another "
+                f"partition ({SECTION}.partition=...)"
+            )
     log_dir = Path(config.log_dir).absolute()
     executor = submitit.AutoExecutor(folder=log_dir / "%j", cluster="slurm")
     parameters: dict[str, Any] = {
@@ -107,12 +126,31 @@ def submit(config: SubmitConfig, function: Callable[[], Any] | None = None) -> s
         "slurm_partition": partition,
         "slurm_additional_parameters": {**config.sbatch, **FAULT_TOLERANT_SBATCH},
         "slurm_srun_args": [*FAULT_TOLERANT_SRUN, *config.srun_args],
-        "slurm_setup": [*config.setup, *rendezvous_setup_lines(log_dir)],
+        "slurm_setup": [
+            *config.setup,
+            *check_lines(config, log_dir),
+            *rendezvous_setup_lines(log_dir, config),
+        ],
     }
     if config.gpus_per_node:
         parameters["gpus_per_node"] = config.gpus_per_node
     executor.update_parameters(**parameters)
-    return executor.submit(task)
+    before = set(log_dir.iterdir()) if log_dir.is_dir() else set()
+    try:
+        return executor.submit(task)
+    except submitit.core.utils.FailedJobError as e:  # sbatch refused the job: its reason, nothing left behind
+        for stray in set(log_dir.iterdir()) - before:
+            if stray.is_file():
+                stray.unlink()
+        lines = [line.strip() for line in str(e).splitlines() if line.strip()]
+        raise cluster.SlurmError(f"sbatch refused the job: {lines[-1] if lines else e}") from None
+
+
+def _partition_gpus(partition: str) -> int:
+    try:
+        return cluster.partition_gpus(partition)
+    except cluster.SlurmError as e:
+        raise SubmitConfigError(str(e)) from e
 
 
 def _task(config: SubmitConfig, function: Callable[[], Any] | None) -> Callable[[], Any]:
@@ -132,10 +170,27 @@ def _task(config: SubmitConfig, function: Callable[[], Any] | None) -> Callable[
     return ScriptTask(str(Path(config.script).absolute()), tuple(config.args))
 
 
-def rendezvous_setup_lines(log_dir: Path) -> list[str]:
-    """Batch-script lines that start store and coordinator on the batch host, exporting their addresses."""
+def check_lines(config: SubmitConfig, log_dir: Path) -> list[str]:
+    """Batch-script lines that check the script on the batch host before the tasks start (see
+    :func:`~lightning_oobleck.slurm.task.check_script`): the job ends there, in one line, with status 2, if it
+    cannot start. A submitted function is not checked."""
+    if config.script is None:
+        return []
+    log = shlex.quote(str(log_dir)) + f'/"$SLURM_JOB_ID"/{CHECK_LOG}'
+    script = [str(Path(config.script).absolute()), *config.args]
+    check = f"{shlex.quote(sys.executable)} -m {TASK_MODULE} --check --log {log} {shlex.join(script)}"
+    return [f"{check} || exit 2"]
+
+
+def rendezvous_setup_lines(log_dir: Path, config: SubmitConfig | None = None) -> list[str]:
+    """Batch-script lines that start store and coordinator on the batch host, exporting their addresses; the
+    join file they write records ``config``'s setup lines and script (what a join job runs)."""
     log = shlex.quote(str(log_dir)) + '/"$SLURM_JOB_ID"/rendezvous.log'
     start = f"{shlex.quote(sys.executable)} -m {rendezvous.MODULE} --detach --watch-pid $$ --log {log}"
+    if config is not None:
+        start += "".join(f" --setup {shlex.quote(line)}" for line in config.setup)
+        if config.script is not None:
+            start += " -- " + shlex.join([str(Path(config.script).absolute()), *config.args])
     return [f"oobleck_exports=$({start}) || exit 1", 'eval "$oobleck_exports"']
 
 
@@ -145,7 +200,36 @@ def status(job: submitit.Job, elapsed_s: float = 0.0) -> JobStatus:
     state = records[-1].state if records else "PENDING"
     lost = tuple(n for n in records[0].nodes if n not in records[-1].nodes) if records else ()
     done = sum(job.task(i).paths.result_pickle.exists() for i in range(job.num_tasks))
-    return JobStatus(job.job_id, state, elapsed_s, done, job.num_tasks, lost)
+    progress, joined = training_progress(job)
+    return JobStatus(job.job_id, state, elapsed_s, done, job.num_tasks, lost, progress, joined)
+
+
+def training_progress(job: submitit.Job, tail_bytes: int = 16384) -> tuple[str, str]:
+    """The last step line the training printed (by whichever task was rank 0) and its last join, from the
+    ends of the tasks' output files (:class:`~lightning_oobleck.lightning.console.StepLines`)."""
+    last, step, joined, joined_at = "", -1, "", -1
+    for i in range(job.num_tasks):
+        for path in (job.task(i).paths.stdout, job.task(i).paths.stderr):
+            for line in _tail(path, tail_bytes):
+                if match := _STEP_LINE.match(line):
+                    if int(match.group(1)) >= step:
+                        last, step = line.removeprefix("oobleck: "), int(match.group(1))
+                elif (match := _JOIN_LINE.match(line)) and int(match.group(2)) >= joined_at:
+                    joined, joined_at = match.group(1), int(match.group(2))
+    return last, joined
+
+
+_STEP_LINE = re.compile(r"^oobleck: step (\d+)")
+_JOIN_LINE = re.compile(r"^oobleck: (node\(s\) .* joined at step (\d+))")
+
+
+def _tail(path: Path, size: int) -> list[str]:
+    try:
+        with open(path, "rb") as f:
+            f.seek(max(f.seek(0, 2) - size, 0))
+            return f.read().decode(errors="replace").splitlines()
+    except OSError:
+        return []
 
 
 def wait(
@@ -181,6 +265,10 @@ def collect(job: submitit.Job, grace_s: float = RESULT_GRACE_S) -> SubmitResult:
     if not records or records[-1].state not in cluster.TERMINAL_STATES:
         raise RuntimeError(f"job {job.job_id} has not ended; call wait(job) first")
     started, final = records[0].nodes, records[-1].nodes
+    check = job.paths.folder / CHECK_LOG
+    verdict = check.read_text().splitlines()[-1:] if check.exists() else []
+    if verdict and verdict[0].startswith(CHECK_ERROR):
+        return SubmitResult(job.job_id, records[-1].state, started, not_started=verdict[0])
     lost_nodes = tuple(n for n in started if n not in final)
     # srun's block distribution; a job that never started has no nodes.
     tasks_per_node = max(job.num_tasks // max(len(started), 1), 1)

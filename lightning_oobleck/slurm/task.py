@@ -1,18 +1,32 @@
 """What a task runs for a training script under SLURM: ``python -m lightning_oobleck.slurm.task SCRIPT
 [ARGS]`` (the batch template's ``srun`` line), or :class:`ScriptTask` (submitit). Its own module, light to
-import, so that a task announces itself to the coordinator before the script's imports begin."""
+import, so that a task announces itself to the coordinator before the script's imports begin.
+
+``python -m lightning_oobleck.slurm.task --check --log FILE SCRIPT [ARGS]`` runs on the batch host before
+the tasks start (:func:`check_script`): the script runs until the strategy has made the job's plan for the
+allocation, so that a missing file, a configuration error or a plan that cannot exist ends the job in one
+line instead of once per task.
+"""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import runpy
 import sys
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
 from lightning_oobleck.recovery.agent import TrainingFinished, announce_presence
 from lightning_oobleck.recovery.protocol import NODE_KEY_ENV
+
+MODULE = "lightning_oobleck.slurm.task"
+"""The entry point's module name (stable: batch scripts name it)."""
+TTY_COMPATIBLE_ENV = "TTY_COMPATIBLE"
+"""``0``: the output is no terminal, whatever ``isatty()`` says (``srun --unbuffered`` gives the tasks a
+pseudo-terminal that ends in the job's output file). Rich reads it; so does
+:func:`~lightning_oobleck.lightning.console.output_is_terminal`."""
 
 
 def announce_slurm_task() -> bool:
@@ -24,15 +38,26 @@ def announce_slurm_task() -> bool:
     return announce_presence((int(os.environ["SLURM_NODEID"]), int(os.environ["SLURM_LOCALID"])))
 
 
+def limit_threads() -> None:
+    """One CPU thread per task unless the user chose (``OMP_NUM_THREADS``, or ``--cpus-per-task``), before
+    torch is imported: tasks share a node's cores, and torch's default of a thread per core on every task
+    oversubscribes them (a step 20x slower was measured on 2 tasks per node)."""
+    os.environ.setdefault("OMP_NUM_THREADS", os.environ.get("SLURM_CPUS_PER_TASK", "1"))
+
+
 def run_script(script: str, args: Sequence[str], join: bool = False) -> None:
-    """Announce this task, then run ``script`` as ``__main__`` as ``python SCRIPT ARGS`` would: with
-    ``sys.argv = [script, *args]`` and the script's directory first on ``sys.path`` (so that it imports its
-    neighbours).
+    """Limit the threads (:func:`limit_threads`), mark the output as no terminal (:data:`TTY_COMPATIBLE_ENV`,
+    unless ``srun --pty``), announce this task, then run ``script`` as ``__main__`` as ``python SCRIPT ARGS``
+    would: with ``sys.argv = [script, *args]`` and the script's directory first on
+    ``sys.path`` (so that it imports its neighbours).
 
     ``join``: the task joins a running training (a join job's, :mod:`~lightning_oobleck.slurm.join`): its
     node is named by this job and its node index (``OOBLECK_NODE_KEY``), never by ``SLURM_NODEID``, which
     starts at 0 in every job; if the training ends before it was admitted, the script stops there and the
     task ends with status 0."""
+    limit_threads()
+    if "SLURM_PTY_PORT" not in os.environ:  # not `srun --pty`: the output goes to the job's file
+        os.environ.setdefault(TTY_COMPATIBLE_ENV, "0")
     if join:
         os.environ[NODE_KEY_ENV] = f"{os.environ['SLURM_JOB_ID']}.{os.environ['SLURM_NODEID']}"
     else:
@@ -64,14 +89,82 @@ class ScriptTask:
         return 0
 
 
+def check_script(script: str, args: Sequence[str], log: str | Path) -> int:
+    """Run ``script`` as a task would, with :data:`~lightning_oobleck.planning.plan.PLAN_CHECK_ENV` set, until
+    the strategy made the job's plan (it raises :class:`~lightning_oobleck.planning.plan.PlanChecked` in
+    place of training). Everything the script prints goes to ``log``; what is printed here is one line, also
+    the log's last: the plan, or the error and its fix. Returns 0 (the plan exists, or the script ended
+    before ``Trainer.fit``) or 2 (it cannot start: nothing else of the job should run)."""
+    if not Path(script).is_file():
+        where = f"{Path.cwd()} (a path relative to the job's working directory, sbatch --chdir)"
+        return _verdict(f"{CHECK_ERROR} no training script {script} in {where}", log)
+    from lightning_oobleck.planning.plan import PLAN_CHECK_ENV, PlanChecked
+
+    os.environ[PLAN_CHECK_ENV] = "1"
+    try:
+        with _output_to(log):
+            run_script(script, args)
+    except PlanChecked as checked:
+        return _verdict(f"oobleck: {checked} (checked before the tasks start)", log)
+    except SystemExit as e:
+        if e.code in (None, 0):
+            return 0
+        reason = e.code if isinstance(e.code, str) else f"it exited with status {e.code}"
+        return _verdict(f"{CHECK_ERROR} {script} cannot start: {reason} (its output: {log})", log)
+    except Exception as e:  # the script's own error, before any task started: reported once, here
+        message = " ".join(str(e).split()) or "no message"
+        error = f"{type(e).__name__}: {message}"
+        return _verdict(f"{CHECK_ERROR} {script} cannot start: {error} (its output: {log})", log)
+    return 0
+
+
+CHECK_ERROR = "oobleck: error:"
+"""How :func:`check_script`'s line starts when the job cannot start."""
+
+
+def _verdict(line: str, log: str | Path) -> int:
+    """Print the check's one line (stderr for an error), append it to ``log``; the check's exit status."""
+    failed = line.startswith(CHECK_ERROR)
+    print(line, file=sys.stderr if failed else sys.stdout, flush=True)
+    with open(log, "a") as f:
+        f.write(line + "\n")
+    return 2 if failed else 0
+
+
+@contextlib.contextmanager
+def _output_to(path: str | Path) -> Iterator[None]:
+    """Send this process's stdout and stderr (file descriptors: native code and loggers bound at import
+    included) to ``path``, then restore them."""
+    sys.stdout.flush()
+    sys.stderr.flush()
+    saved = os.dup(1), os.dup(2)
+    with open(path, "ab") as log:
+        os.dup2(log.fileno(), 1)
+        os.dup2(log.fileno(), 2)
+    try:
+        yield
+    finally:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os.dup2(saved[0], 1)
+        os.dup2(saved[1], 2)
+        os.close(saved[0])
+        os.close(saved[1])
+
+
 def main(argv: list[str] | None = None) -> None:
-    """``python -m lightning_oobleck.slurm.task [--join] SCRIPT [ARGS]``: :func:`run_script`; its exit
-    status is the process's."""
+    """``python -m lightning_oobleck.slurm.task [--join] SCRIPT [ARGS]``: :func:`run_script`, its exit
+    status the process's; ``--check --log FILE SCRIPT [ARGS]``: :func:`check_script`."""
     argv = sys.argv[1:] if argv is None else argv
+    usage = f"usage: python -m {MODULE} [--join | --check --log FILE] SCRIPT [ARGS]"
+    if argv[:1] == ["--check"]:
+        if len(argv) < 4 or argv[1] != "--log":
+            sys.exit(usage)
+        sys.exit(check_script(argv[3], argv[4:], argv[2]))
     join = argv[:1] == ["--join"]
     argv = argv[join:]
     if not argv:
-        sys.exit("usage: python -m lightning_oobleck.slurm.task [--join] SCRIPT [ARGS]")
+        sys.exit(usage)
     run_script(argv[0], argv[1:], join)
 
 

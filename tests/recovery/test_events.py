@@ -94,3 +94,14 @@ def test_the_timeline_marks_a_join_with_the_throughput_before_and_after_the_swit
     output = tmp_path / "run.png"
     timeline.draw_timeline(steps, recoveries, output)
     assert output.stat().st_size > 10_000
+
+
+def test_a_new_run_starts_the_file_and_a_later_writer_appends(tmp_path: Path) -> None:
+    """A job that runs where an earlier one ran does not append to its records; the rank 0 that takes over
+    after a failure continues this run's."""
+    path = tmp_path / "run.jsonl"
+    EventLog(path, new=True).step(1, samples=8, duration_s=0.1, generation=0)  # an earlier job
+    EventLog(path, new=True).step(1, samples=8, duration_s=0.1, generation=0)  # this job's first rank 0
+    EventLog(path).step(2, samples=8, duration_s=0.1, generation=1)  # its new rank 0, after a failure
+    steps, _ = read_events(path)
+    assert [(s["step"], s["generation"]) for s in steps] == [(1, 0), (2, 1)]

@@ -33,7 +33,8 @@ from gpt_training import (
 )
 from slurm_cluster import REPO, Cluster, DownWatch
 
-from lightning_oobleck.cli import join as join_cli
+from lightning_oobleck import cli
+from lightning_oobleck.cli import CliError
 from lightning_oobleck.cli import submit as submit_cli
 from lightning_oobleck.execution.checkpoint import load_sharded_model
 from lightning_oobleck.slurm.cluster import TERMINAL_STATES, JobRecord, job_records, run
@@ -103,9 +104,14 @@ def _sbatch(workdir: Path, options: list[str], args: list[str]) -> subprocess.Co
     """``sbatch --parsable OPTIONS slurm/oobleck.sbatch ARGS`` in ``workdir``, tasks on this interpreter."""
     return subprocess.run(
         ["sbatch", "--parsable", f"--chdir={workdir}", *options, str(REPO / "slurm/oobleck.sbatch"), *args],
-        capture_output=True, text=True, env={**os.environ, "OOBLECK_PYTHON": sys.executable}, timeout=90,
-        check=False,
+        capture_output=True, text=True, timeout=90, check=False,
+        env={**_without_thread_settings(), "OOBLECK_PYTHON": sys.executable},
     )  # fmt: skip
+
+
+def _without_thread_settings() -> dict[str, str]:
+    """This environment without ``OMP_NUM_THREADS``: the tasks must limit their threads themselves."""
+    return {k: v for k, v in os.environ.items() if k != "OMP_NUM_THREADS"}
 
 
 def _all_job_ids() -> list[str]:
@@ -248,8 +254,8 @@ def test_oobleck_submit_trains_on_3_nodes_to_the_reference_weights_then_validate
 def test_oobleck_submit_exits_1_when_the_training_fails(
     cluster: Cluster, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    failing = tmp_path / "failing.py"
-    failing.write_text("import sys\nsys.exit(3)\n")
+    failing = tmp_path / "failing.py"  # passes the check on the batch host, fails in the tasks
+    failing.write_text("import os, sys\nsys.exit(0 if os.environ.get('OOBLECK_PLAN_CHECK') else 3)\n")
     config = tmp_path / "job.yaml"
     config.write_text(json.dumps({"submit": {"nodes": 1, "time": "5", "script": str(failing)}}))
     assert _cli(str(config), f"submit.log_dir={tmp_path / 'logs'}") == 1
@@ -399,6 +405,10 @@ def test_a_task_dying_before_it_registers_is_not_waited_for(
         ("submit.time=null", "submit.time is required"),
         ("submit.nodez=2", "unknown key 'submit.nodez' (did you mean 'nodes'?)"),
         ("submit.partition=gpu", "no partition 'gpu' on this cluster; choose one of: debug"),
+        (
+            "submit.gpus_per_node=2",
+            "submit.gpus_per_node=2 but partition 'debug' has no GPUs: ask for at most 0",
+        ),
     ],
 )
 def test_bad_input_is_refused_before_submission(
@@ -410,6 +420,66 @@ def test_bad_input_is_refused_before_submission(
         _cli(str(config), override)
     assert message in str(error.value)
     assert _all_job_ids() == before, "a job was submitted despite the error"
+
+
+@pytest.mark.timeout(60)
+def test_a_job_sbatch_refuses_is_one_line_and_leaves_no_files(cluster: Cluster, tmp_path: Path) -> None:
+    logs = tmp_path / "logs"
+    config = _write_config(
+        tmp_path / "job.yaml", tmp_path / "out", logs, sbatch={"constraint": "nosuchfeature"}
+    )
+    with pytest.raises(CliError, match=r"^sbatch refused the job: .*[Ii]nvalid feature") as error:
+        _cli(str(config))
+    assert "\n" not in str(error.value)
+    assert not [p for p in logs.rglob("*") if p.is_file()], "a refused submission left files"
+
+
+@pytest.mark.timeout(180)
+@pytest.mark.parametrize(
+    ("mistake", "message"),
+    [
+        ("missing script", "oobleck: error: no training script missing.py in "),
+        ("impossible fault tolerance", "lower the fault tolerance to 2 (OobleckStrategy(fault_tolerance=2)"),
+        ("config typo", "unknown key 'fault_tolerence' in the strategy's configuration (OobleckConfig) "
+         "(did you mean 'fault_tolerance'?)"),
+    ],
+)  # fmt: skip
+def test_a_mistake_in_the_job_ends_it_in_one_line_before_the_tasks_start(
+    cluster: Cluster, tmp_path: Path, mistake: str, message: str
+) -> None:
+    """What an HPC user gets wrong in a job script costs one line and exit status 2, found on the batch host
+    before ``srun`` starts a task: no rendezvous, no training, no traceback per task."""
+    out = tmp_path / "out"
+    out.mkdir()
+    args = {
+        "missing script": ["missing.py", *training_args(out)],
+        "impossible fault tolerance": [str(EXAMPLE), "--fault-tolerance", "3", *training_args(out)],
+        "config typo": [str(EXAMPLE), *training_args(out), "strategy.fault_tolerence=1"],
+    }[mistake]
+    done = _sbatch(tmp_path, ["--wait", "--nodes=3", "--time=5"], args)
+    job_id = done.stdout.strip()
+    assert done.returncode == 2, done.stderr
+    (line,) = (tmp_path / f"oobleck-{job_id}.out").read_text().splitlines()
+    assert message in line, line
+    assert not (tmp_path / f"oobleck-{job_id}-rendezvous.log").exists(), "the tasks' services started"
+    assert not events(out), "training started"
+
+
+@pytest.mark.timeout(180)
+def test_oobleck_submit_reports_a_job_its_check_ended_in_one_line(
+    cluster: Cluster, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """The same check under ``oobleck submit``: the job ends before its tasks start, and the command says why
+    in one line (status 2), not as tasks lost on healthy nodes."""
+    out = tmp_path / "out"
+    config = _write_config(
+        tmp_path / "job.yaml", out, tmp_path / "logs", overrides=["strategy.fault_tolerence=1"]
+    )
+    assert _cli(str(config)) == 2
+    err = capsys.readouterr().err
+    (line,) = [line for line in err.splitlines() if "before its tasks started" in line]
+    assert "(did you mean 'fault_tolerance'?)" in line
+    assert "lost" not in err
 
 
 @pytest.mark.timeout(60)
@@ -434,27 +504,38 @@ def test_sbatch_template_refuses_to_run_without_a_time_limit(cluster: Cluster, t
 
 @pytest.mark.timeout(420)
 def test_a_crashed_node_comes_back_and_joins_the_running_training(
-    cluster: Cluster, tmp_path: Path, reference: dict[str, torch.Tensor], capsys: pytest.CaptureFixture[str]
+    cluster: Cluster,
+    tmp_path: Path,
+    reference: dict[str, torch.Tensor],
+    capsys: pytest.CaptureFixture[str],
+    monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     """A 3-node job (``slurm/oobleck.sbatch``) loses a node; SLURM marks it DOWN; its daemon is restarted and
-    ``oobleck join JOBID`` submits a second job, whose task joins at a step boundary as node 3: the training
-    grows back to 3 nodes, both jobs complete, every step counts once and the weights equal the
-    failure-free run's. While the node is away each step idles (``HOLD``) so that the run does not
-    end before SLURM, the restart and a cold start of the joiner are through."""
-    out = tmp_path / "out"
+    ``oobleck join JOBID --nodes 1 -- SCRIPT ARGS`` submits a second job, whose task joins at a step boundary
+    as node 3: the training grows back to 3 nodes, both jobs complete, every step counts once and the
+    weights equal the failure-free run's. No task, the joiner included, runs more than one thread, and the
+    batch output reads as a log (Lightning's progress bar on). While the node is away each step idles
+    (``HOLD``) so that the run does not end before SLURM, the restart and a cold start of the joiner are
+    through."""
+    out, threads = tmp_path / "out", tmp_path / "threads"
     out.mkdir()
+    threads.mkdir()
     hold = tmp_path / "hold"
     script = tmp_path / "slow_while_held.py"
     script.write_text(
-        "import os, runpy, sys, time\n"
+        "import os, runpy, sys, time, torch\n"
         "from torch.optim.optimizer import register_optimizer_step_post_hook\n"
+        f"open(os.path.join({str(threads)!r}, os.environ['SLURM_JOB_ID'] + '.' + os.environ['SLURM_PROCID']),"
+        " 'w').write(str(torch.get_num_threads()))\n"
         f"def idle(*_):\n    time.sleep(3.0 if os.path.exists({str(hold)!r}) else 0.0)\n"
         "register_optimizer_step_post_hook(idle)\n"
         f"sys.argv[0] = {str(EXAMPLE)!r}\n"
         f"sys.path.insert(0, {str(EXAMPLE.parent)!r})\n"
         f"runpy.run_path({str(EXAMPLE)!r}, run_name='__main__')\n"
     )
-    command = [str(script), *training_args(out)]
+    # Lightning's progress bar on, as users leave it: the batch output must still read as plain lines.
+    command = [str(script), *training_args(out), "trainer.enable_progress_bar=true"]
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)  # the join job inherits this environment
     job_id = _sbatch(tmp_path, ["--nodes=3", "--time=8"], command).stdout.strip()
     _wait_for_step(out, 2, job_id)
     hold.touch()
@@ -465,10 +546,7 @@ def test_a_crashed_node_comes_back_and_joins_the_running_training(
         watch.join(timeout=90)
         assert watch.down_at is not None, f"SLURM never declared {victim} DOWN"
         cluster.restart(victim)
-        parser = argparse.ArgumentParser(prog="oobleck")
-        join_cli.register(parser.add_subparsers(dest="command", required=True))
-        args = parser.parse_args(["join", job_id, "--nodes=1"])
-        assert args.func(args) == 0
+        assert cli.main(["join", job_id, "--nodes", "1", "--", *command]) == 0  # as the README writes it
         submitted = re.search(
             rf"submitted job (\d+): 1 node\(s\) join the training of job {job_id}", capsys.readouterr().out
         )
@@ -500,6 +578,16 @@ def test_a_crashed_node_comes_back_and_joins_the_running_training(
     join_log = (tmp_path / f"oobleck-join-{job_id}-{join_id}.out").read_text(errors="replace")
     assert f"joins job {job_id}'s training" in join_log
     _assert_reference_weights(out, reference)
+    # One thread per task without OMP_NUM_THREADS, the joiner's included (JOBID.PROCID: thread count).
+    counts = {path.name: path.read_text() for path in threads.iterdir()}
+    assert sorted(counts) == sorted([f"{job_id}.0", f"{job_id}.1", f"{job_id}.2", f"{join_id}.0"]), counts
+    assert set(counts.values()) == {"1"}, counts
+    # The batch output reads as a log: plain step lines, the crashed host named, one "done" line.
+    batch_log = (tmp_path / f"oobleck-{job_id}.out").read_text(errors="replace")
+    assert "\x1b[" not in batch_log and "\r" not in batch_log, "progress-bar frames in the batch output"
+    assert f"node(s) {cluster_node_id(victim)} ({victim}) lost at step" in batch_log, batch_log[-3000:]
+    assert re.search(rf"oobleck: step {STEPS}/{STEPS} \(epoch \d+\) ", batch_log), batch_log[-3000:]
+    assert batch_log.count("done: ") == 1
 
 
 def _wait_for(condition: Any, what: str, timeout_s: float = 120.0) -> Any:
