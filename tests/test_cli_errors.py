@@ -35,6 +35,7 @@ def test_a_missing_file_is_one_line_and_status_2(
     assert len(err.strip().splitlines()) == 1, err
 
 
+@pytest.mark.slow
 def test_the_examples_missing_config_is_one_line_and_status_2(tmp_path: Path) -> None:
     run = subprocess.run(
         [sys.executable, str(TRAIN), "--config", "missing.yaml"],

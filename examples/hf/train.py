@@ -139,13 +139,13 @@ def main(argv: list[str] | None = None) -> None:
         logger=False,
         enable_checkpointing=False,
         num_sanity_val_steps=0,
-        enable_model_summary=False,  # it would count only rank 0's layers
     )
     train = DataLoader(Counting(512, seed=1), batch_size=args.global_batch, shuffle=True)
     val = DataLoader(Counting(64, seed=2), batch_size=args.global_batch)
     trainer.fit(CausalLM(model_config(args.model)), train, val)
     metrics = {k: f"{float(v):.4f}" for k, v in sorted(trainer.callback_metrics.items())}
-    Console().print(f"done: {trainer.global_step} steps, {metrics}")
+    if trainer.is_global_zero:
+        Console().print(f"done: {trainer.global_step} steps, {metrics}")
 
 
 if __name__ == "__main__":

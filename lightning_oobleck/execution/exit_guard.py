@@ -14,12 +14,14 @@ logs and streams): status 1 if an exception went uncaught, else 0. A ``sys.exit(
 from __future__ import annotations
 
 import atexit
+import contextlib
 import ctypes
 import logging
 import os
 import signal
 import sys
 import threading
+from collections.abc import Callable
 from types import TracebackType
 
 
@@ -30,6 +32,7 @@ class _ExitGuard:
         self._threads: list[threading.Thread] = []
         self._failed = False
         self._previous_hook = sys.excepthook
+        self._before_exit: list[Callable[[bool], object]] = []
 
     def watch(self, thread: threading.Thread) -> None:
         if not self._threads:
@@ -44,9 +47,16 @@ class _ExitGuard:
         self._failed = True
         self._previous_hook(kind, value, traceback)
 
+    def before_exit(self, callback: Callable[[bool], object]) -> None:
+        if callback not in self._before_exit:
+            self._before_exit.append(callback)
+
     def _exit(self) -> None:
         if not any(thread.is_alive() for thread in self._threads):
             return  # every stuck wait ended: a normal exit is safe
+        for callback in self._before_exit:  # the exit handlers registered before this one would not run
+            with contextlib.suppress(Exception):
+                callback(self._failed)
         logging.shutdown()
         for stream in (sys.stdout, sys.stderr):
             if stream is not None:
@@ -60,6 +70,12 @@ _GUARD = _ExitGuard()
 def outlive(thread: threading.Thread) -> None:
     """Make the process exit without finalisation if ``thread`` (stuck in a C++ wait) is alive at exit."""
     _GUARD.watch(thread)
+
+
+def before_exit(callback: Callable[[bool], object]) -> None:
+    """Call ``callback(failed)`` before the guard ends the process without finalisation: exit handlers that
+    were registered before the guard's (a worker's goodbye to its coordinator) would not run then."""
+    _GUARD.before_exit(callback)
 
 
 _PR_SET_PDEATHSIG = 1

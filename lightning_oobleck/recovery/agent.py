@@ -486,7 +486,16 @@ def process_agent(worker: tuple[int, int], **kwargs: Any) -> WorkerAgent:
     close_process_agent(finished=False)
     _process_agent = WorkerAgent(worker, **kwargs).start()
     atexit.register(close_process_agent)
+    # A worker with a stuck abandoned wait ends without finalisation: it still says goodbye first (torch and
+    # the execution package are loaded by now: the caller is a worker).
+    from lightning_oobleck.execution.exit_guard import before_exit
+
+    before_exit(_close_at_exit)
     return _process_agent
+
+
+def _close_at_exit(failed: bool) -> None:
+    close_process_agent(finished=not failed)
 
 
 def close_process_agent(finished: bool = True) -> None:

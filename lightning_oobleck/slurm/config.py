@@ -67,6 +67,10 @@ class SubmitConfig:
     """Extra ``srun`` options."""
     setup: list[str] = field(default_factory=list)
     """Shell lines run in the batch script before the training step, e.g. ``module load cuda``."""
+    check: bool = True
+    """Run ``script`` once on the batch host up to the plan before the tasks start, so that a mistake ends
+    the job in one line (:func:`~lightning_oobleck.slurm.task.check_script`); ``False`` where the script's
+    preparation before ``Trainer.fit`` is too long to run twice."""
     poll_interval_s: float = 2.0
     """How often the job's state is polled while waiting."""
 

@@ -173,8 +173,8 @@ def _task(config: SubmitConfig, function: Callable[[], Any] | None) -> Callable[
 def check_lines(config: SubmitConfig, log_dir: Path) -> list[str]:
     """Batch-script lines that check the script on the batch host before the tasks start (see
     :func:`~lightning_oobleck.slurm.task.check_script`): the job ends there, in one line, with status 2, if it
-    cannot start. A submitted function is not checked."""
-    if config.script is None:
+    cannot start. A submitted function is not checked, nor is a script with ``check=False``."""
+    if config.script is None or not config.check:
         return []
     log = shlex.quote(str(log_dir)) + f'/"$SLURM_JOB_ID"/{CHECK_LOG}'
     script = [str(Path(config.script).absolute()), *config.args]

@@ -1,8 +1,9 @@
 """A worker whose waiter thread is still stuck in an abandoned gloo receive when the process exits.
 
-``python stuck_wait_worker.py RANK STORE_PORT ok|raise``: rank 1 aborts a receive from rank 0 (which never
-sends), closes its broken waiter and ends (normally, or with an uncaught exception) while rank 0 is still
-alive; rank 0 exits during rank 1's finalisation, which wakes rank 1's stuck wait at that moment.
+``python stuck_wait_worker.py RANK STORE_PORT ok|raise COORDINATOR``: rank 1 registers with the coordinator
+as worker (1, 0), aborts a receive from rank 0 (which never sends), closes its broken waiter and ends
+(normally, or with an uncaught exception) while rank 0 is still alive; rank 0 exits during rank 1's
+finalisation, which wakes rank 1's stuck wait at that moment.
 """
 
 import contextlib
@@ -16,11 +17,13 @@ import torch.distributed as dist
 
 from lightning_oobleck.execution.comm import CommWaiter
 from lightning_oobleck.execution.errors import PeerFailure
+from lightning_oobleck.recovery.agent import process_agent
 
-rank, port, mode = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3]
+rank, port, mode, coordinator = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3], sys.argv[4]
 store = dist.TCPStore("127.0.0.1", port, 2, False, timeout=datetime.timedelta(seconds=30))
 dist.init_process_group("gloo", store=store, rank=rank, world_size=2, timeout=datetime.timedelta(seconds=60))
 if rank == 1:
+    process_agent((1, 0), address=coordinator)
     waiter, abort = CommWaiter(datetime.timedelta(seconds=60)), threading.Event()
     threading.Timer(0.3, abort.set).start()
     with contextlib.suppress(PeerFailure):

@@ -54,6 +54,7 @@ def simulated_s(plan: Plan, profile: ModelProfile) -> float:
 
 
 @pytest.mark.timeout(300)
+@pytest.mark.slow
 def test_measured_iteration_times_match_the_event_simulation(pool: WorkerPool, profile: ModelProfile) -> None:
     generation = 0
     for name, layout in LAYOUTS.items():

@@ -75,6 +75,7 @@ def run_layout(pool: WorkerPool, plan: Plan, generation: int, bucket_cap_bytes: 
 
 @pytest.mark.timeout(240)
 @pytest.mark.parametrize("schedule", SCHEDULE_NAMES)
+@pytest.mark.slow
 def test_every_layout_equals_single_process_training(
     pool: WorkerPool, reference: dict, profile: ModelProfile, schedule: str
 ) -> None:

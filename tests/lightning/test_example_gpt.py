@@ -13,6 +13,7 @@ TRAIN = Path(__file__).resolve().parents[2] / "examples" / "gpt" / "train.py"
 
 
 @pytest.mark.timeout(240)
+@pytest.mark.slow
 def test_gpt_example_trains_validates_and_shows_a_node_dying_and_a_new_one_joining(tmp_path: Path) -> None:
     """The planner's plan, training with validation, and ``--kill-rank R --kill-at-step S
     --rejoin-after-s T``: the whole cycle on one machine."""

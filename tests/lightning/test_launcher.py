@@ -111,6 +111,7 @@ def test_workers_get_positions_from_the_supervisor_store():
 
 
 @pytest.mark.timeout(120)
+@pytest.mark.slow
 def test_forked_workers_never_hang_connecting_to_the_store():
     # Forking while the store's server thread ran once deadlocked a worker's TCPStore client (under load,
     # a few launches in 30); workers are now forked before the store starts.
@@ -179,6 +180,7 @@ def _alive(pid: int) -> bool:
 
 
 @pytest.mark.timeout(90)
+@pytest.mark.slow
 def test_sigkilled_supervisor_leaves_no_orphan(tmp_path: Path):
     script = tmp_path / "supervisor.py"
     script.write_text(

@@ -87,6 +87,7 @@ def wait_gone(pids: set[int], within_s: float) -> set[int]:
 
 
 @pytest.mark.timeout(120)
+@pytest.mark.slow
 def test_loader_workers_die_with_their_training_worker_and_everything_with_the_launcher(
     tmp_path: Path,
 ) -> None:

@@ -148,6 +148,7 @@ def test_defaults_train_checkpoint_and_resume_on_another_layout(
 
 
 @pytest.mark.timeout(240)
+@pytest.mark.slow
 def test_defaults_survive_rank_zero_sigkilled_mid_run_and_the_console_reads_like_one_run(
     tmp_path: Path, uninterrupted: dict[str, torch.Tensor]
 ) -> None:
@@ -239,6 +240,7 @@ def test_a_configuration_the_planner_refuses_ends_the_run_in_one_message(
 
 
 @pytest.mark.timeout(240)
+@pytest.mark.slow
 def test_validate_and_test_equal_one_device_on_the_same_checkpoint(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

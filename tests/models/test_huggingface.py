@@ -175,6 +175,7 @@ class FirstPlan(L.Callback):
 
 
 @pytest.mark.timeout(180)
+@pytest.mark.slow
 def test_a_checkpoint_resumes_on_another_layout(reference: tuple, tmp_path: Path) -> None:
     """Checkpointed after 2 steps on "1+3", resumed on "2+1+1": the unmodified model's weights (GPT-2's tie
     is one entry of the checkpoint)."""
@@ -230,6 +231,7 @@ class _float64:
 
 @pytest.mark.timeout(240)
 @pytest.mark.parametrize("name,victim", [("gpt2", 1), ("llama", 0)])
+@pytest.mark.slow
 def test_the_example_script_trains_and_survives_its_kill_flag(name: str, victim: int, tmp_path: Path) -> None:
     script = Path(__file__).resolve().parents[2] / "examples" / "hf" / "train.py"
     args = [f"--model={name}", "--max-steps=8", f"--kill-rank={victim}", "--kill-at-step=4"]

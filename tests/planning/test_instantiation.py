@@ -77,6 +77,7 @@ def test_instantiation_equals_brute_force_on_small_clusters(seed: int) -> None:
 
 
 @pytest.mark.parametrize(("seed", "synthetic"), [(11, True), (12, True), (5, False)])
+@pytest.mark.slow
 def test_large_cluster_search_equals_brute_force_on_small_clusters(seed: int, synthetic: bool) -> None:
     """The shortlist + local search path (used above ``exact_limit`` multisets), forced on small clusters."""
     for templates, cost, nodes, f, microbatches, reference in _cases(seed, 60, synthetic):

@@ -77,6 +77,7 @@ def check_reconfiguration(old: Plan, gone: set[int], result: Reconfiguration, ad
 
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("n0", [1, 2])
+@pytest.mark.slow
 def test_every_failure_set_up_to_f_on_every_small_cluster(n0: int) -> None:
     checked = 0
     for f in range(4):

@@ -40,6 +40,7 @@ def _start_two(coordinator: Coordinator) -> list[WorkerAgent]:
 
 
 @pytest.mark.timeout(60)
+@pytest.mark.slow
 def test_a_client_without_the_secret_is_refused_and_changes_nothing() -> None:
     victim = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
     with Coordinator(2, "127.0.0.1", secret=SECRET, kill_fenced=True, heartbeat_timeout=2.0) as c:

@@ -49,6 +49,7 @@ def assert_trained_together(cluster: Cluster, survivors: list[Worker]) -> None:
 
 
 @pytest.mark.timeout(120)
+@pytest.mark.slow
 def test_sigkill_of_rank_0_takes_its_node_out_and_survivors_agree_within_a_second(tmp_path: Path) -> None:
     rank0, sibling, survivors = W(0, 0), W(0, 1), [W(1, 0), W(2, 0)]
     with Cluster(tmp_path, [rank0, sibling, *survivors]) as cluster:
@@ -75,6 +76,7 @@ def test_sigkill_of_rank_0_takes_its_node_out_and_survivors_agree_within_a_secon
 
 
 @pytest.mark.timeout(120)
+@pytest.mark.slow
 def test_two_nodes_killed_at_once_make_one_recovery_and_the_timeline_shows_it(tmp_path: Path) -> None:
     """Each closed connection is announced at once (no settle window), so the second death may come while
     the first generation is being agreed: the coordinator moves everyone on, the survivors fold both."""
@@ -114,6 +116,7 @@ def test_two_nodes_killed_at_once_make_one_recovery_and_the_timeline_shows_it(tm
 
 
 @pytest.mark.timeout(120)
+@pytest.mark.slow
 def test_sigstop_interrupts_blocked_peers_after_the_heartbeat_timeout_and_the_woken_worker_is_fenced(
     tmp_path: Path,
 ) -> None:
@@ -150,6 +153,7 @@ def test_sigstop_interrupts_blocked_peers_after_the_heartbeat_timeout_and_the_wo
 
 
 @pytest.mark.timeout(120)
+@pytest.mark.slow
 def test_kill_during_the_agreement_barrier_moves_everyone_to_a_newer_generation(tmp_path: Path) -> None:
     first, during, survivors = W(0, 0), W(1, 0), [W(2, 0), W(3, 0)]
     slow = {tuple(survivors[1]): ["--ready-delay=2.0"]}  # holds the barrier of generation 1 open
@@ -173,6 +177,7 @@ def test_kill_during_the_agreement_barrier_moves_everyone_to_a_newer_generation(
 
 
 @pytest.mark.timeout(120)
+@pytest.mark.slow
 def test_a_new_node_joins_the_running_training_and_takes_over_its_step(tmp_path: Path) -> None:
     running, newcomer = [W(0, 0), W(1, 0)], W(5, 0)
     with Cluster(tmp_path, running) as cluster:

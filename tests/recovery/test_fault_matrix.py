@@ -288,6 +288,7 @@ def check(
 
 
 @pytest.mark.timeout(300)
+@pytest.mark.slow
 def test_rank0_then_a_hung_first_stage(tmp_path: Path, reference: dict[str, torch.Tensor]) -> None:
     """Global rank 0 (node 0, a first stage) is SIGKILLed mid-step 1; a last stage (node 5) after its
     commit of step 2, before its optimizer update (the step counts: nothing is redone); node 4 (a first
@@ -337,6 +338,7 @@ def test_middle_stage_in_backward_a_kill_during_its_recovery_then_a_gradient_syn
 
 
 @pytest.mark.timeout(300)
+@pytest.mark.slow
 def test_whole_nodes_of_two_processes(tmp_path: Path, reference: dict[str, torch.Tensor]) -> None:
     """3 nodes of 2 processes, one 2-stage pipeline each. Device 0 of node 1 is SIGKILLed right after
     issuing its first gradient all-reduce of step 1: node 1 is out, its device 1 fenced. Device 1 of

@@ -335,6 +335,7 @@ def resume_check(
 
 
 @pytest.mark.timeout(300)
+@pytest.mark.slow
 def test_rank0_then_catch_up_through_lightnings_update(
     tmp_path: Path, loop_reference: dict[str, Any]
 ) -> None:
@@ -353,6 +354,7 @@ def test_rank0_then_catch_up_through_lightnings_update(
 
 
 @pytest.mark.timeout(300)
+@pytest.mark.slow
 def test_middle_stage_in_validation_last_stage_in_a_checkpoint_hang_in_logging(
     tmp_path: Path, loop_reference: dict[str, Any]
 ) -> None:
@@ -370,6 +372,7 @@ def test_middle_stage_in_validation_last_stage_in_a_checkpoint_hang_in_logging(
 
 
 @pytest.mark.timeout(300)
+@pytest.mark.slow
 def test_two_nodes_in_a_checkpoint_save_at_once(tmp_path: Path, loop_reference: dict[str, Any]) -> None:
     """f = 2: a first stage and a last stage of two pipelines die together in the checkpoint save of step
     4; then more nodes than the plan tolerates are gone and the run says so (f reduced) and goes on."""
@@ -382,6 +385,7 @@ def test_two_nodes_in_a_checkpoint_save_at_once(tmp_path: Path, loop_reference: 
 
 
 @pytest.mark.timeout(300)
+@pytest.mark.slow
 def test_zero_bubble_schedule_kills_in_an_i_a_w_and_a_reduce(
     tmp_path: Path, loop_reference: dict[str, Any]
 ) -> None:

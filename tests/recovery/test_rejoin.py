@@ -23,6 +23,7 @@ def last(result: dict, label: object, kind: str) -> dict:
 
 
 @pytest.mark.timeout(RUN_TIMEOUT_S + 60)
+@pytest.mark.slow
 def test_a_replacement_joins_after_a_failure_and_the_pipelines_grow_back(tmp_path: Path) -> None:
     """Node 1 dies mid-1F1B at step 1: 5 nodes go on with 2 pipelines (f = 1). A replacement starts
     after step 2 and is admitted at a step boundary: 3 pipelines and f = 2 again. Another joiner dies
@@ -43,6 +44,7 @@ def test_a_replacement_joins_after_a_failure_and_the_pipelines_grow_back(tmp_pat
 
 
 @pytest.mark.timeout(RUN_TIMEOUT_S + 60)
+@pytest.mark.slow
 def test_two_joins_in_a_row_a_joiner_lost_while_receiving_and_a_join_with_a_failure(tmp_path: Path) -> None:
     """Six nodes train; a joiner dies while it receives its layers (the members recover without it), two
     more join after it (the pipelines grow to 4), and a member dies as soon as a fourth
@@ -74,6 +76,7 @@ def test_two_joins_in_a_row_a_joiner_lost_while_receiving_and_a_join_with_a_fail
 
 
 @pytest.mark.timeout(RUN_TIMEOUT_S + 60)
+@pytest.mark.slow
 def test_whole_template_admits_joiners_once_they_form_a_pipeline(tmp_path: Path) -> None:
     """``join_policy="whole_template"`` (n0 = 2 here): a first joiner waits, pending, until a second one
     registers; both are admitted in one generation, as a pipeline of their own. A third one never finds a
@@ -94,6 +97,7 @@ def test_whole_template_admits_joiners_once_they_form_a_pipeline(tmp_path: Path)
 
 
 @pytest.mark.timeout(RUN_TIMEOUT_S + 60)
+@pytest.mark.slow
 def test_a_hot_standby_waits_for_a_failure_and_replaces_the_lost_node(tmp_path: Path) -> None:
     """``join_policy="hot_standby"``: a spare that started early stays pending while the plan has all its
     nodes, and is admitted at the step boundary after node 2 dies, in its place. The failure comes 8 s in:

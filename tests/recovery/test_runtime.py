@@ -269,6 +269,7 @@ def check_run(
 
 
 @pytest.mark.timeout(RUN_TIMEOUT_S + 60)
+@pytest.mark.slow
 def test_rank0_then_committed_step_then_kill_during_recovery(tmp_path: Path) -> None:
     """Node 0 (global rank 0, a first stage) dies mid-1F1B at step 1: step 1 is redone on 5 nodes. At
     step 3 a last stage dies after its commit while a survivor has not seen the commit: the survivor
@@ -290,6 +291,7 @@ def test_rank0_then_committed_step_then_kill_during_recovery(tmp_path: Path) -> 
 
 
 @pytest.mark.timeout(RUN_TIMEOUT_S + 60)
+@pytest.mark.slow
 def test_two_nodes_at_once_then_sigstop(tmp_path: Path) -> None:
     """f = 2 at the same moment: a last stage (node 1) and a first stage (node 2) of two different
     pipelines die mid-1F1B at step 1; later a first stage (node 4) hangs (SIGSTOP) at step 3: it is
@@ -309,6 +311,7 @@ def test_two_nodes_at_once_then_sigstop(tmp_path: Path) -> None:
 
 
 @pytest.mark.timeout(RUN_TIMEOUT_S + 60)
+@pytest.mark.slow
 def test_every_replica_lost_ends_with_clear_error(tmp_path: Path) -> None:
     """Three first stages die at once: layers 0-2 have no replica left. The survivors must not hang:
     they stop with an error that says how to resume."""
@@ -320,6 +323,7 @@ def test_every_replica_lost_ends_with_clear_error(tmp_path: Path) -> None:
 
 
 @pytest.mark.timeout(RUN_TIMEOUT_S + 60)
+@pytest.mark.slow
 def test_no_pipeline_fits_writes_checkpoint_from_survivors(tmp_path: Path) -> None:
     """With n0 raised to 3, four nodes dying at once leave 2 nodes that still hold every layer (node 0:
     layers 0-2, node 3: layers 3-5) but cannot form a pipeline: they write a checkpoint of the last

@@ -40,6 +40,7 @@ class SlowRankZero(RealisticNet):
 
 
 @pytest.mark.timeout(300)
+@pytest.mark.slow
 def test_a_rank_zero_callback_longer_than_the_collective_timeout_is_waited_for(
     tmp_path: Path, loop_reference: dict[str, Any]
 ) -> None:

@@ -20,6 +20,7 @@ from simulate_validation import DEFAULT_KILLS, analyse, fit
 
 
 @pytest.mark.timeout(300)
+@pytest.mark.slow
 def test_a_real_run_with_two_failures_trains_what_the_simulator_predicts(tmp_path: Path) -> None:
     plan = fit(tmp_path, steps=24, kills=dict(DEFAULT_KILLS))
     validation = analyse(tmp_path, plan)

@@ -42,6 +42,7 @@ def _listening(address: str) -> bool:
 
 
 @pytest.mark.timeout(90)
+@pytest.mark.slow
 def test_batch_script_lines_export_a_store_and_a_coordinator_that_end_with_the_shell(tmp_path: Path) -> None:
     log = tmp_path / "rendezvous.log"
     start = f"{sys.executable} -m {MODULE} --detach --watch-pid $$ --world-size 1 --log {log}"
