@@ -84,13 +84,12 @@ from lightning_oobleck.lightning.units import (
     FitUnits,
     check_tied_parameter_groups,
     host_key,
-    host_name,
     logger_versions,
     set_logger_versions,
 )
 from lightning_oobleck.planning.plan import PLAN_CHECK_ENV, Plan, PlanChecked
 from lightning_oobleck.recovery.agent import WorkerAgent, close_process_agent, process_agent
-from lightning_oobleck.recovery.protocol import ADDRESS_ENV, NODE_KEY_ENV, Timeouts
+from lightning_oobleck.recovery.protocol import ADDRESS_ENV, NODE_KEY_ENV, Timeouts, node_name
 from lightning_oobleck.recovery.runtime import Admission, join_training
 from lightning_oobleck.recovery.service import CoordinatorService
 from lightning_oobleck.recovery.startup import publish_plan, read_plan, start
@@ -315,7 +314,7 @@ class OobleckStrategy(ParallelStrategy, PipelineExecutor):
         environment.set_global_rank(self._groups.rank)
         environment.set_world_size(self._groups.world_size)
         rank_zero_only.rank = self._groups.rank
-        store.set(host_key(self._groups.worker[0]), host_name())  # messages name lost nodes' hosts
+        store.set(host_key(self._groups.worker[0]), node_name())  # messages name lost nodes' hosts
         if (versions := self._groups.plan.extra.get(LOGGER_VERSIONS)) is not None:
             set_logger_versions(self.lightning_module.trainer, versions)
         use_step_lines(self.lightning_module.trainer)

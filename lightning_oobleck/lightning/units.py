@@ -21,10 +21,8 @@ from __future__ import annotations
 import csv
 import io
 import math
-import os
 import pickle
 import shutil
-import socket
 import time
 import warnings
 from collections.abc import Callable
@@ -63,6 +61,7 @@ from lightning_oobleck.lightning.data import DataPosition, PipelineDataLoader, s
 from lightning_oobleck.lightning.module import batch_parts, layer_source, meta_layers
 from lightning_oobleck.recovery.agent import WorkerAgent
 from lightning_oobleck.recovery.events import EventLog, RecoveryEvent
+from lightning_oobleck.recovery.protocol import node_name
 from lightning_oobleck.recovery.runtime import Admission, JoinPolicy, Recovery, Unit
 
 if TYPE_CHECKING:
@@ -75,11 +74,6 @@ LOGGER_VERSIONS = "logger_versions"
 """The plan's (and a joiner's handover's) entry with the run's logger versions (:func:`logger_versions`)."""
 
 EVENTS_FILE = "oobleck-events.jsonl"
-
-
-def host_name() -> str:
-    """This process's host as users name it: SLURM's node name in a SLURM task, else the hostname."""
-    return os.environ.get("SLURMD_NODENAME") or socket.gethostname()
 
 
 def host_key(node: int) -> str:
@@ -429,7 +423,7 @@ class FitUnits:
     def _named(self, nodes: list[int]) -> str:
         """``1 (gpu-17), 3 (gpu-22)``: node ids with the hosts their workers reported, where that is not this
         host (a local run's nodes share one)."""
-        store, here, names = self.strategy._store, host_name(), []
+        store, here, names = self.strategy._store, node_name(), []
         for node in nodes:
             key = host_key(node)
             host = store.get(key).decode() if store is not None and store.check([key]) else here

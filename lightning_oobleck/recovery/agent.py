@@ -50,6 +50,7 @@ from lightning_oobleck.recovery.protocol import (
     Timeouts,
     Worker,
     encode,
+    node_name,
     parse_address,
 )
 
@@ -176,6 +177,7 @@ class WorkerAgent:
                 device=self.worker.device,
                 pid=os.getpid(),
                 host=socket.gethostname(),
+                name=node_name(),
                 **({"secret": self._secret} if self._secret is not None else {}),
                 **(self.timeouts._asdict() if self.timeouts is not None else {}),
             )
@@ -526,7 +528,8 @@ def announce_presence(worker: tuple[int, int], address: str | None = None, secre
     try:
         sock = socket.create_connection(parse_address(address), timeout=5.0)
         node, device = worker
-        sock.sendall(encode("present", node=node, device=device, **({"secret": secret} if secret else {})))
+        fields = {"secret": secret} if secret else {}
+        sock.sendall(encode("present", node=node, device=device, name=node_name(), **fields))
     except OSError:
         return False
     _presence = sock

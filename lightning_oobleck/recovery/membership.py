@@ -205,6 +205,8 @@ class MembershipMachine:
         self._peers: dict[int, _Peer] = {}
         self._alive: dict[Worker, _Peer] = {}
         self._dead_nodes: dict[int, str] = {}
+        self._names: dict[Worker, str] = {}
+        """The node each worker runs on, as its user names it (SLURM's node name): for the log."""
         self._lost_before_start: set[Worker] = set()
         self._timeouts_from: Worker | None = None
         self._current: Membership | None = None
@@ -369,6 +371,13 @@ class MembershipMachine:
     def _present(self, peer: _Peer, msg: dict[str, Any]) -> None:
         if self._authentic(peer, msg):
             peer.present = Worker(int(msg["node"]), int(msg["device"]))
+            if msg.get("name"):
+                self._names[peer.present] = str(msg["name"])
+
+    def _who(self, worker: Worker) -> str:
+        """``worker (2, 1) on node3``: the worker and, when it said, its node's name."""
+        name = self._names.get(worker)
+        return f"worker {tuple(worker)}{f' on {name}' if name else ''}"
 
     def _register(self, peer: _Peer, msg: dict[str, Any], now: float) -> None:
         if not self._authentic(peer, msg):
@@ -404,6 +413,8 @@ class MembershipMachine:
             )
             return
         peer.worker, peer.pid, peer.host = worker, msg.get("pid"), msg.get("host")
+        if msg.get("name"):
+            self._names[worker] = str(msg["name"])
         peer.deadline = now + self.heartbeat_timeout
         self._alive[worker] = peer
         self._send(
@@ -413,11 +424,11 @@ class MembershipMachine:
             heartbeat_interval=self.heartbeat_interval,
             heartbeat_timeout=self.heartbeat_timeout,
         )
-        log.info("worker %s registered (pid %s)", tuple(worker), peer.pid)
+        log.info("%s registered (pid %s)", self._who(worker), peer.pid)
         if self._current is None:
             self._maybe_start(now)
         else:
-            log.info("worker %s is pending: it joins at the next step boundary", tuple(worker))
+            log.info("%s is pending: it joins at the next step boundary", self._who(worker))
             self._tell_pending()
             self._release_joiners_if_over()
 
@@ -483,14 +494,14 @@ class MembershipMachine:
     def _suspect(self, worker: Worker, reason: str, now: float) -> None:
         peer = self._alive.get(worker)
         if peer is not None:
-            log.info("worker %s suspected by a peer (%s): checking its liveness", tuple(worker), reason)
+            log.info("%s suspected by a peer (%s): checking its liveness", self._who(worker), reason)
             peer.suspicion = reason or "communication error"
             peer.deadline = min(peer.deadline, now + 2 * self.heartbeat_interval)
 
     def _leave(self, peer: _Peer, now: float) -> None:
         worker = peer.worker
         assert worker is not None
-        log.info("worker %s finished", tuple(worker))
+        log.info("%s finished", self._who(worker))
         del self._alive[worker]
         self.finished.add(worker)
         self._close(peer)
@@ -503,7 +514,7 @@ class MembershipMachine:
         if self._current is None or not self.finished or any(w in self._admitted for w in self._alive):
             return
         for w in [w for w in self._alive if w not in self._admitted]:
-            log.info("worker %s was pending when the training ended", tuple(w))
+            log.info("%s was pending when the training ended", self._who(w))
             peer = self._alive.pop(w)
             self._send(peer, "finished", reason="the training ended before this worker was admitted")
             self._close(peer)
@@ -533,11 +544,11 @@ class MembershipMachine:
         generation = self._current.generation if self._current else -1
         victims = sorted(w for w in self._alive if w.node == node)
         if not registered:
-            log.warning("worker %s declared dead before it registered: %s", tuple(worker), reason)
+            log.warning("%s declared dead before it registered: %s", self._who(worker), reason)
             self.deaths.append(Death(worker, reason, at, generation))
         for w in victims:
             why = reason if w == worker else f"node {node} is out because worker {tuple(worker)}: {reason}"
-            log.info("worker %s declared dead: %s", tuple(w), why)
+            log.info("%s declared dead: %s", self._who(w), why)
             peer = self._alive.pop(w)
             self.deaths.append(Death(w, why, at, generation))
             self._send(peer, "fenced", reason=why)

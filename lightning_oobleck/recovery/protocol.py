@@ -7,12 +7,13 @@ is one JSON object on one line (UTF-8, terminated by ``\\n``) with an ``"op"`` f
 
 Worker -> coordinator::
 
-    register  {node, device, pid, host, secret, [heartbeat_timeout, agreement_timeout], [node_key]}
+    register  {node, device, pid, host, name, secret, [heartbeat_timeout, agreement_timeout], [node_key]}
                                           first message; answered by welcome, refused or fenced. The
                                           first registration's timeouts become the job's; a later one
                                           asking for others is refused. ``node`` null: a joiner whose
-                                          node id the coordinator gives (one per ``node_key``)
-    present   {node, device, secret}      on a connection of its own, sent by the process that will be this
+                                          node id the coordinator gives (one per ``node_key``). ``name``:
+                                          the node as users name it (SLURM's), for the log
+    present   {node, device, name, secret} on a connection of its own, sent by the process that will be this
                                           worker before anything slow runs (imports, data), and nothing
                                           after: if it ends before the worker registered, the process is
                                           gone and the start does not wait for it. Never answered
@@ -48,6 +49,8 @@ several processes line up on one time axis.
 from __future__ import annotations
 
 import json
+import os
+import socket
 from dataclasses import dataclass
 from typing import Any, NamedTuple
 
@@ -148,6 +151,12 @@ class Membership:
 
 def workers_from_json(items: Any) -> tuple[Worker, ...]:
     return tuple(Worker(int(n), int(d)) for n, d in items)
+
+
+def node_name() -> str:
+    """This process's node as its user names it: SLURM's node name in a SLURM task (a test cluster runs
+    several on one host), else the hostname."""
+    return os.environ.get("SLURMD_NODENAME") or socket.gethostname()
 
 
 def parse_address(address: str) -> tuple[str, int]:

@@ -230,7 +230,7 @@ class _float64:
 
 
 @pytest.mark.timeout(240)
-@pytest.mark.parametrize("name,victim", [("gpt2", 1), ("llama", 0)])
+@pytest.mark.parametrize("name,victim", [("llama", 0)])  # as docs/models.md runs it; GPT-2: above
 @pytest.mark.slow
 def test_the_example_script_trains_and_survives_its_kill_flag(name: str, victim: int, tmp_path: Path) -> None:
     script = Path(__file__).resolve().parents[2] / "examples" / "hf" / "train.py"

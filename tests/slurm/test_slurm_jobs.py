@@ -361,7 +361,9 @@ def test_sbatch_template_survives_a_real_node_crash_with_the_reference_weights(
         assert f"Node failure on {victim}" in batch_log
         assert "training step ended with status 0" in batch_log
         rendezvous_log = (tmp_path / f"oobleck-{job_id}-rendezvous.log").read_text()
-        assert f"worker ({cluster_node_id(victim)}, 0) declared dead" in rendezvous_log, rendezvous_log
+        assert f"worker ({cluster_node_id(victim)}, 0) on {victim} declared dead" in rendezvous_log, (
+            rendezvous_log
+        )
         _assert_reference_weights(out, reference)
     finally:
         cluster.restart(victim)
@@ -388,7 +390,7 @@ def test_a_task_dying_before_it_registers_is_not_waited_for(
     job_id = _sbatch(tmp_path, ["--nodes=3", "--time=5"], [str(script), *training_args(out)]).stdout.strip()
     _wait_for_end(job_id, timeout_s=JOB_TIMEOUT_S)
     rendezvous_log = (tmp_path / f"oobleck-{job_id}-rendezvous.log").read_text()
-    assert "worker (2, 0) declared dead before it registered: its process ended" in rendezvous_log, (
+    assert "worker (2, 0) on node3 declared dead before it registered: its process ended" in rendezvous_log, (
         rendezvous_log
     )
     steps = _assert_steps_once(out)
