@@ -80,7 +80,7 @@ class Clock(L.Callback):
 def launch_rank(trainer: L.Trainer) -> int:
     """The rank the process was started as (Oobleck renumbers ranks after a recovery)."""
     if isinstance(trainer.strategy, OobleckStrategy):
-        node, device = trainer.strategy._environment().worker
+        node, device = trainer.strategy.worker
         return node * trainer.strategy.config.devices_per_node + device
     return trainer.global_rank
 

@@ -43,13 +43,13 @@ class JoinerClock(Clock):
     def on_train_start(self, trainer: L.Trainer, *rest: Any) -> None:
         super().on_train_start(trainer, *rest)
         strategy = trainer.strategy
-        admission = strategy._admission
+        admission = strategy.admission
         if admission is None:
             return
         event = admission.event
         record = {
             "started": process_start(),
-            "registered": strategy._agent.registered_at,
+            "registered": strategy.registered_at,
             **{f"{phase}_at": getattr(event, f"{phase}_at") for phase in ("detected", "agreed", "replanned")},
             **{f"{phase}_at": getattr(event, f"{phase}_at") for phase in ("rebuilt", "state_copied")},
             "generation": event.generation,

@@ -51,9 +51,9 @@ class KillAt(L.Callback):
 
     def on_train_batch_start(self, trainer: L.Trainer, *args: Any) -> None:
         strategy = trainer.strategy
-        if not isinstance(strategy, OobleckStrategy) or strategy._admission is not None:
+        if not isinstance(strategy, OobleckStrategy) or strategy.admission is not None:
             return  # a node that joined later was not launched as a rank
-        node, device = strategy._environment().worker
+        node, device = strategy.worker
         if node * strategy.config.devices_per_node + device != self.rank or trainer.global_step != self.step:
             return
         if self.by == "exception":

@@ -49,18 +49,18 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
 
 import torch.distributed as dist
-from lightning.fabric.strategies.launchers.multiprocessing import (
-    _check_bad_cuda_fork,
-    _check_missing_main_guard,
-    _disable_module_memory_sharing,
-)
-from lightning.fabric.utilities.distributed import _set_num_threads_if_needed
 from lightning.fabric.utilities.rank_zero import rank_zero_only
-from lightning.pytorch.strategies.launchers.launcher import _Launcher
-from lightning.pytorch.strategies.launchers.multiprocessing import _GlobalStateSnapshot
 from lightning.pytorch.trainer.states import TrainerFn
 
 from lightning_oobleck.execution.exit_guard import die_with_parent
+from lightning_oobleck.lightning._internals import (
+    GlobalStateSnapshot,
+    Launcher,
+    check_bad_cuda_fork,
+    check_missing_main_guard,
+    disable_module_memory_sharing,
+    set_num_threads_if_needed,
+)
 from lightning_oobleck.lightning.config import START_METHODS, StartMethod
 from lightning_oobleck.lightning.console import show_warnings_on_rank_zero
 from lightning_oobleck.lightning.environment import DEVICE_VAR, local_worker_env
@@ -212,7 +212,7 @@ class _WorkerSpec:
     spawned: bool
 
 
-class OobleckLauncher(_Launcher):
+class OobleckLauncher(Launcher):
     """Starts ``num_processes`` workers under a supervisor that survives any of them (see module doc).
 
     Args:
@@ -288,9 +288,9 @@ class OobleckLauncher(_Launcher):
         workers. Raises :class:`LaunchError` if no worker finished, ``TimeoutError`` past ``timeout_s``.
         """
         if self.start_method != "fork":
-            _check_missing_main_guard()
+            check_missing_main_guard()
         else:
-            _check_bad_cuda_fork()
+            check_bad_cuda_fork()
         if self.preflight is not None and trainer is not None:
             self.preflight(trainer, args)
         if self._already_fit and trainer is not None and trainer.state.fn == TrainerFn.FITTING:
@@ -334,7 +334,7 @@ class OobleckLauncher(_Launcher):
         if self.start_method == "forkserver":
             context.set_forkserver_preload(list(FORKSERVER_PRELOAD))
         spawned = self.start_method != "fork"  # arguments travel pickled
-        global_states = _GlobalStateSnapshot.capture() if spawned else None
+        global_states = GlobalStateSnapshot.capture() if spawned else None
         self.procs = {}
         env_pipes: dict[int, Connection] = {}
 
@@ -477,7 +477,7 @@ def _worker_main(
     function: Callable,
     args: Any,
     kwargs: Any,
-    global_states: _GlobalStateSnapshot | None,
+    global_states: GlobalStateSnapshot | None,
 ) -> None:
     _die_with_supervisor(spec.supervisor_pid)
     if not env_pipe.poll(_RELEASE_TIMEOUT_S):
@@ -489,8 +489,8 @@ def _worker_main(
     if global_states is not None:
         global_states.restore()
     if spec.spawned:
-        args, kwargs = _disable_module_memory_sharing((args, kwargs))
-    _set_num_threads_if_needed(num_processes=spec.num_processes)
+        args, kwargs = disable_module_memory_sharing((args, kwargs))
+    set_num_threads_if_needed(num_processes=spec.num_processes)
     # Lightning's rank-zero messages before the strategy knows the rank (its tips at the start) print once.
     rank_zero_only.rank = spec.rank
     show_warnings_on_rank_zero()

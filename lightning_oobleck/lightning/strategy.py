@@ -34,14 +34,12 @@ from typing import TYPE_CHECKING, Any, Literal
 import torch
 import torch.distributed as dist
 import torch.utils._pytree as pytree
-from lightning.fabric.utilities.optimizer import _optimizers_to_device
 from lightning.fabric.utilities.types import ReduceOp
 from lightning.pytorch import LightningModule, Trainer
 from lightning.pytorch.plugins.precision import MixedPrecision, Precision
 from lightning.pytorch.strategies import ParallelStrategy
 from lightning.pytorch.strategies.strategy import TBroadcast
 from lightning.pytorch.trainer.states import TrainerFn
-from lightning.pytorch.utilities.data import _is_dataloader_shuffled
 from lightning.pytorch.utilities.rank_zero import rank_zero_only, rank_zero_warn
 from torch import Tensor
 from torch.optim import Optimizer
@@ -58,6 +56,13 @@ from lightning_oobleck.execution.checkpoint import (
 )
 from lightning_oobleck.execution.process_groups import backend_for, check_plan_size
 from lightning_oobleck.execution.stage import Tie, build_stage, find_ties
+from lightning_oobleck.lightning._internals import (
+    is_dataloader_shuffled,
+    logged_results,
+    loop_data_source,
+    optimizers_to_device,
+    route_sigterm_check,
+)
 from lightning_oobleck.lightning.config import OobleckConfig, StartMethod, load_oobleck_config
 from lightning_oobleck.lightning.console import print_start, show_warnings_on_rank_zero, use_step_lines
 from lightning_oobleck.lightning.data import (
@@ -226,6 +231,23 @@ class OobleckStrategy(ParallelStrategy, PipelineExecutor):
         return self._engine
 
     @property
+    def worker(self) -> tuple[int, int]:
+        """This process's worker ``(node, device)``: the node id is the launch's (``SLURM_NODEID``, the local
+        launcher's node), or the coordinator's for a process that joined."""
+        return self._environment().worker
+
+    @property
+    def admission(self) -> Admission | None:
+        """How this process joined the running training (its recovery event, the state it received), or
+        ``None`` for a process launched with the job."""
+        return self._admission
+
+    @property
+    def registered_at(self) -> float | None:
+        """When this process registered with the coordinator (wall clock), if a coordinator runs."""
+        return self._agent.registered_at if self._agent is not None else None
+
+    @property
     def recovery_events(self) -> Path | None:
         """The JSONL file of this fit's step and recovery records (``oobleck timeline``), if recovery runs."""
         events = self._units.events if self._units is not None else None
@@ -389,7 +411,7 @@ class OobleckStrategy(ParallelStrategy, PipelineExecutor):
         )
         self._units = FitUnits(self, trainer)
         if fitting:
-            _optimizers_to_device(self.optimizers, self.root_device)
+            optimizers_to_device(self.optimizers, self.root_device)
         if self._admission is not None:
             self._units.catch_up(self._admission.host_state)
         if fitting and self._agent is not None:
@@ -399,7 +421,7 @@ class OobleckStrategy(ParallelStrategy, PipelineExecutor):
         if fitting:
             # Lightning broadcasts its SIGTERM flag on the default group before every batch; here the step's
             # commit carries it, so no collective runs outside the units.
-            trainer.fit_loop.epoch_loop._broadcast_sigterm_tensor = self._units.check_sigterm  # type: ignore[method-assign]
+            route_sigterm_check(trainer, self._units.check_sigterm)
 
     def _build_engine(self, module: PipelineModule) -> PipelineEngine:
         """Materialise the owned layers; weights the module already holds (a previous fit's) are kept."""
@@ -428,7 +450,7 @@ class OobleckStrategy(ParallelStrategy, PipelineExecutor):
             TrainerFn.VALIDATING: trainer.validate_loop,
             TrainerFn.TESTING: trainer.test_loop,
         }.get(trainer.state.fn)
-        source = getattr(loop, "_data_source", None)
+        source = loop_data_source(loop)
         try:
             loader = source.dataloader() if source is not None and source.is_defined() else None
         except Exception:  # a DataModule may need its setup() first: then the size must be configured
@@ -612,7 +634,7 @@ class OobleckStrategy(ParallelStrategy, PipelineExecutor):
         """Every value this batch logs stands for the whole global batch (``pipeline_loss`` returns the
         global mean on every rank): weigh it by the global batch size on every rank, so that epoch means
         synced over the ranks equal a single device's whatever the pipelines' shares and their changes."""
-        results = self.lightning_module.trainer._results
+        results = logged_results(self.lightning_module.trainer)
         if results is not None:
             results.batch_size = self.config.global_batch_size
 
@@ -862,7 +884,7 @@ def _as_dict(config: OobleckConfig) -> dict[str, Any]:
 
 def _shuffles(loader: DataLoader) -> bool:
     sampler = loader.sampler
-    return sampler.shuffle if isinstance(sampler, DistributedSampler) else _is_dataloader_shuffled(loader)
+    return sampler.shuffle if isinstance(sampler, DistributedSampler) else is_dataloader_shuffled(loader)
 
 
 def _connect_store(environment: OobleckEnvironment, config: OobleckConfig) -> dist.Store:

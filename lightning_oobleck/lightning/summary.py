@@ -9,12 +9,10 @@ layer (the plan table printed at the start says which stage holds it).
 
 from __future__ import annotations
 
-from functools import partial
 from typing import Any
 
 from lightning.pytorch import LightningModule, Trainer
 from lightning.pytorch.callbacks import ModelSummary
-from lightning.pytorch.utilities.model_summary import ModelSummary as Summary
 from lightning.pytorch.utilities.model_summary.model_summary import (
     NOT_APPLICABLE,
     LayerSummary,
@@ -22,25 +20,27 @@ from lightning.pytorch.utilities.model_summary.model_summary import (
 )
 from torch import nn
 
+from lightning_oobleck.lightning._internals import RowsSummary, replace_model_summary
 from lightning_oobleck.lightning.module import PipelineModule, meta_layers
 
 
-class PipelineSummary(Summary):
+class PipelineSummary(RowsSummary):
     """The summary of ``module``'s whole model: rows ``layers.<i>`` (and their submodules down to
     ``max_depth``); totals over the whole model, a tied parameter counted once."""
 
     def __init__(self, module: PipelineModule, max_depth: int = 1) -> None:
         self._whole = nn.ModuleDict({str(i): layer for i, layer in enumerate(meta_layers(module))})
+        self.depth = max_depth
         super().__init__(module, max_depth)  # type: ignore[arg-type]
 
     @property
     def named_modules(self) -> list[tuple[str, nn.Module]]:
-        if self._max_depth == 0:
+        if self.depth == 0:
             return []
         return [
             (name, m)
             for name, m in self._whole.named_modules(prefix="layers")
-            if name != "layers" and (self._max_depth < 0 or name.count(".") <= self._max_depth)
+            if name != "layers" and (self.depth < 0 or name.count(".") <= self.depth)
         ]
 
     def summarize(self) -> dict[str, LayerSummary]:
@@ -66,7 +66,7 @@ class PipelineSummary(Summary):
     def total_flops(self) -> int:
         return 0
 
-    def _get_summary_data(self) -> list[tuple[str, list[str]]]:
+    def rows(self) -> list[tuple[str, list[str]]]:
         names = self.layer_names
         return [
             (" ", [str(i) for i in range(len(names))]),
@@ -84,7 +84,7 @@ def summarize_whole_model(trainer: Trainer) -> None:
 
     for callback in trainer.callbacks:  # type: ignore[attr-defined]
         if isinstance(callback, ModelSummary):
-            callback._summary = partial(_whole_model, max_depth=callback._max_depth)  # type: ignore[method-assign]
+            replace_model_summary(callback, _whole_model)
 
 
 def _whole_model(trainer: Trainer, module: LightningModule, *, max_depth: int) -> Any:

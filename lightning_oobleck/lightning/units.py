@@ -34,10 +34,8 @@ import torch.distributed as dist
 from lightning.fabric.utilities.rank_zero import rank_zero_info
 from lightning.pytorch import LightningModule, Trainer
 from lightning.pytorch.callbacks import RichProgressBar, TQDMProgressBar
-from lightning.pytorch.core.optimizer import _init_optimizers_and_lr_schedulers
 from lightning.pytorch.loggers import CSVLogger, TensorBoardLogger
 from lightning.pytorch.loggers.csv_logs import ExperimentWriter
-from lightning.pytorch.trainer import call
 from lightning.pytorch.utilities.exceptions import SIGTERMException
 from lightning.pytorch.utilities.model_helpers import is_overridden
 from lightning.pytorch.utilities.rank_zero import rank_zero_only
@@ -56,6 +54,15 @@ from lightning_oobleck.execution.checkpoint import (
 from lightning_oobleck.execution.engine import PipelineEngine
 from lightning_oobleck.execution.process_groups import backend_for
 from lightning_oobleck.execution.stage import StageModule
+from lightning_oobleck.lightning._internals import (
+    batch_to_device,
+    dump_checkpoint,
+    init_optimizers_and_lr_schedulers,
+    mark_sigterm_received,
+    resume_from,
+    set_logger_version,
+    validation_data_ready,
+)
 from lightning_oobleck.lightning.console import counted
 from lightning_oobleck.lightning.data import DataPosition, PipelineDataLoader, share_of_pipeline
 from lightning_oobleck.lightning.module import batch_parts, layer_source, meta_layers
@@ -174,7 +181,7 @@ class FitUnits:
         check is the members' own, and its validation data are set up before the step if theirs are, so
         that from then on it runs the units they run."""
         trainer = self.trainer
-        trainer._checkpoint_connector._loaded_checkpoint = handover["checkpoint"]
+        resume_from(trainer, handover["checkpoint"])
         trainer.num_sanity_val_steps = 0
         set_logger_versions(trainer, handover[LOGGER_VERSIONS])
         self._validation_data_ready = handover["validation_data_ready"]
@@ -240,8 +247,7 @@ class FitUnits:
         trainer = self.trainer
         fresh = loader.collate_fn([loader.dataset[i] for i in indices])
         fresh = trainer.precision_plugin.convert_input(fresh)
-        fresh = trainer.lightning_module._on_before_batch_transfer(fresh, dataloader_idx=dataloader_idx)
-        return call._call_strategy_hook(trainer, "batch_to_device", fresh, dataloader_idx=dataloader_idx)
+        return batch_to_device(trainer, fresh, dataloader_idx)
 
     def optimizer_step(self, update: Callable[[], T]) -> T:
         """Lightning's update of the batch (``update()``); counted, and recorded in the events file."""
@@ -316,7 +322,7 @@ class FitUnits:
         SIGTERM by the last step's commit, which carries the flag, every worker (laggards included) ends the
         run's units together and raises ``SIGTERMException`` here, at the same batch."""
         if self.committed[2] > 0:
-            self.trainer._signal_connector.received_sigterm = True
+            mark_sigterm_received(self.trainer)
             self.finish()
             raise SIGTERMException()
 
@@ -371,7 +377,7 @@ class FitUnits:
         """Lightning's checkpoint entries now, at the start of the interrupted unit: its loops count the
         batch as started but not completed and the data position (advanced only after an optimizer step)
         is this batch, so ``Trainer.fit(ckpt_path=...)`` redoes exactly this step."""
-        checkpoint = self.trainer._checkpoint_connector.dump_checkpoint(weights_only=False)
+        checkpoint = dump_checkpoint(self.trainer)
         # Lightning rewinds only the epoch's counters of a batch it restarts: the run's total must say the
         # same, or its batch index (which times validation) would count this batch twice.
         batches = checkpoint["loops"]["fit_loop"]["epoch_loop.batch_progress"]["total"]
@@ -384,7 +390,7 @@ class FitUnits:
         return {
             "checkpoint": self.checkpoint_metadata(),
             LOGGER_VERSIONS: logger_versions(self.trainer),
-            "validation_data_ready": self.trainer.fit_loop.epoch_loop.val_loop._combined_loader is not None,
+            "validation_data_ready": validation_data_ready(self.trainer),
         }
 
     def switched(self, recovery: Recovery, event: RecoveryEvent) -> None:
@@ -486,7 +492,7 @@ def build_optimizer(lightning_module: Any, module: StageModule) -> torch.optim.O
     """The one optimizer ``configure_optimizers`` builds for the layers of ``module`` (which the Lightning
     module holds from now on)."""
     lightning_module.layers = module.layers
-    optimizers, _ = _init_optimizers_and_lr_schedulers(lightning_module)
+    optimizers, _ = init_optimizers_and_lr_schedulers(lightning_module)
     if len(optimizers) != 1:
         raise ValueError(
             f"configure_optimizers returned {len(optimizers)} optimizers; the oobleck strategy supports "
@@ -561,7 +567,7 @@ def logger_versions(trainer: Trainer) -> list[int | str]:
 
 def set_logger_versions(trainer: Trainer, versions: list[int | str]) -> None:
     for logger, version in zip(_versioned_loggers(trainer), versions, strict=True):
-        logger._version = version
+        set_logger_version(logger, version)
 
 
 def _versioned_loggers(trainer: Trainer) -> list[CSVLogger | TensorBoardLogger]:

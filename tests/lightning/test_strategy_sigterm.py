@@ -33,7 +33,7 @@ class SigtermAfter(L.Callback):
         self.out = out
 
     def on_train_batch_end(self, trainer: L.Trainer, *args: Any) -> None:
-        node, _ = trainer.strategy._environment().worker
+        node, _ = trainer.strategy.worker
         (self.out / f"last-step-{node}.json").write_text(json.dumps(trainer.global_step))
         if node == SIGNALLED_NODE and trainer.global_step == SIGNAL_AFTER_STEP:
             os.kill(os.getpid(), signal.SIGTERM)

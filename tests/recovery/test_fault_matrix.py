@@ -92,7 +92,7 @@ class Faults(L.Callback):
     def on_fit_start(self, trainer: L.Trainer, module: L.LightningModule) -> None:
         torch.nn.modules.module.register_module_forward_pre_hook(self._on_forward)
         torch.nn.modules.module.register_module_forward_hook(self._after_forward)
-        self.worker = trainer.strategy._environment().worker
+        self.worker = trainer.strategy.worker
         self.name = f"{self.worker[0]}.{self.worker[1]}"
         self.engine = lambda: trainer.strategy.engine
         recovery = trainer.strategy._units.recovery

@@ -35,7 +35,7 @@ class HoldForTheReplacement(LoopFaults):
     def on_train_batch_end(self, trainer: L.Trainer, *args: Any) -> None:
         super().on_train_batch_end(trainer, *args)
         agent = trainer.strategy._agent
-        if trainer.global_step != HOLD_AT_STEP or trainer.strategy._admission is not None:
+        if trainer.global_step != HOLD_AT_STEP or trainer.strategy.admission is not None:
             return
         deadline = time.monotonic() + 120
         while agent.joiners == 0 and len(agent.members.workers) < 6 and time.monotonic() < deadline:

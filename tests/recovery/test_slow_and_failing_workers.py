@@ -62,7 +62,7 @@ class RaisesOnNode2(RealisticNet):
     """Node 2 raises in its training step of step 4 (out of memory, say); the others are fine."""
 
     def training_step(self, batch: Any, batch_idx: int) -> Any:
-        if self.trainer.global_step == 4 and self.trainer.strategy._environment().worker[0] == 2:
+        if self.trainer.global_step == 4 and self.trainer.strategy.worker[0] == 2:
             raise RuntimeError("CUDA out of memory (simulated on node 2)")
         return super().training_step(batch, batch_idx)
 

@@ -63,7 +63,7 @@ def test_batch_script_lines_export_a_store_and_a_coordinator_that_end_with_the_s
     }
     assert task["value"] == "v"
     assert (task["generation"], task["members"]) == (0, [[0, 0]])
-    assert "worker (0, 0) registered" in log.read_text()
+    assert f"worker (0, 0) on {socket.gethostname()} registered" in log.read_text()  # its node, named
     # The coordinator listened only on the interface the host name resolves to, not on every interface.
     assert listeners[int(task["coordinator"].rsplit(":", 1)[1])] == socket.gethostbyname(socket.gethostname())
     deadline = time.monotonic() + 10
