@@ -43,9 +43,10 @@ from lightning_oobleck.planning.schedules import (
 
 
 def pipeline_batch_slice(plan: Plan, pipeline: int) -> slice:
-    """The samples of the global batch that pipeline ``pipeline`` trains on in every step."""
-    mbs = plan.microbatch_range(pipeline)
-    return slice(mbs.start * plan.microbatch_size, mbs.stop * plan.microbatch_size)
+    """The samples of the global batch that pipeline ``pipeline`` trains on in every step
+    (:meth:`Plan.samples`), as a slice."""
+    samples = plan.samples(pipeline)
+    return slice(samples.start, samples.stop)
 
 
 def check_plan(plan: Plan, num_layers: int, tied_layers: tuple[tuple[int, ...], ...] = ()) -> None:

@@ -154,13 +154,13 @@ def plan_table(plan: Plan) -> Table:
         table.add_column(name, justify="left" if name.startswith("stages") else "right")
     for i, p in enumerate(plan.pipelines):
         stages = " | ".join(f"{s.first_layer}-{s.end_layer}" for s in p.stages)
-        samples = plan.microbatch_range(i)
+        samples = plan.samples(i)
         table.add_row(
             str(i),
             ", ".join(map(str, p.nodes)),
             stages,
             str(p.microbatches),
-            f"{samples.start * plan.microbatch_size}-{samples.stop * plan.microbatch_size}",
+            f"{samples.start}-{samples.stop}",
         )
     return table
 

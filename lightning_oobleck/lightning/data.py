@@ -156,11 +156,6 @@ class PipelineDataLoader(DataLoader):
         self.batch_sampler.load_state_dict(state)
 
 
-def share_of_pipeline(microbatches: range, microbatch_size: int) -> range:
-    """Sample offsets inside a global batch of the micro-batches ``microbatches``."""
-    return range(microbatches.start * microbatch_size, microbatches.stop * microbatch_size)
-
-
 class _DieWithParent:
     """A loader worker's ``worker_init_fn``: the worker exits when the training process that started it
     dies (SIGKILL included), then the user's ``worker_init_fn`` runs."""

@@ -69,7 +69,6 @@ from lightning_oobleck.lightning.data import (
     DataPosition,
     GlobalBatchSampler,
     PipelineDataLoader,
-    share_of_pipeline,
     wrap_dataloader,
 )
 from lightning_oobleck.lightning.environment import OobleckEnvironment, detect_environment
@@ -698,7 +697,7 @@ class OobleckStrategy(ParallelStrategy, PipelineExecutor):
             seed=self.config.seed,
             # Lightning asks for shuffling exactly as it would with DDP (training loaders by default).
             shuffle=_shuffles(dataloader),
-            share=share_of_pipeline(groups.plan.microbatch_range(pipeline), self.config.microbatch_size),
+            share=groups.plan.samples(pipeline),
         )
         return wrap_dataloader(dataloader, sampler)
 

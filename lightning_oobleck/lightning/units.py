@@ -64,7 +64,7 @@ from lightning_oobleck.lightning._internals import (
     validation_data_ready,
 )
 from lightning_oobleck.lightning.console import counted
-from lightning_oobleck.lightning.data import DataPosition, PipelineDataLoader, share_of_pipeline
+from lightning_oobleck.lightning.data import DataPosition, PipelineDataLoader
 from lightning_oobleck.lightning.module import batch_parts, layer_source, meta_layers
 from lightning_oobleck.recovery.agent import WorkerAgent
 from lightning_oobleck.recovery.events import EventLog, RecoveryEvent
@@ -404,9 +404,7 @@ class FitUnits:
         environment.set_world_size(groups.world_size)
         rank_zero_only.rank = groups.rank
         plan = groups.plan
-        share = share_of_pipeline(
-            plan.microbatch_range(plan.role(*groups.worker).pipeline), plan.microbatch_size
-        )
+        share = plan.samples(plan.role(*groups.worker).pipeline)
         for loader in _pipeline_loaders(self.trainer):
             loader.batch_sampler.set_share(share, groups.generation)
         if groups.rank == 0 and not was_rank_zero:

@@ -195,6 +195,11 @@ class Plan:
         start = sum(p.microbatches for p in self.pipelines[:pipeline])
         return range(start, start + self.pipelines[pipeline].microbatches)
 
+    def samples(self, pipeline: int) -> range:
+        """The offsets in every global batch of the samples ``pipeline`` trains on: its micro-batches'."""
+        mbs = self.microbatch_range(pipeline)
+        return range(mbs.start * self.microbatch_size, mbs.stop * self.microbatch_size)
+
     def role(self, node: int, device: int = 0) -> WorkerRole:
         """The single stage that worker ``(node, device)`` runs."""
         for pi, p in enumerate(self.pipelines):

@@ -1,4 +1,5 @@
-"""``python -m lightning_oobleck.recovery --world-size N``: the recovery coordinator (SLURM batch host)."""
+"""``python -m lightning_oobleck.recovery --world-size N``: a recovery coordinator of its own, for a launcher
+of yours (see :func:`lightning_oobleck.recovery.coordinator.main`)."""
 
 from lightning_oobleck.recovery.coordinator import main
 

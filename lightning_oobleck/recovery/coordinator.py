@@ -35,7 +35,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from lightning_oobleck.recovery.membership import Close, Death, Effect, Kill, MembershipMachine, Send
-from lightning_oobleck.recovery.protocol import LineReader, Membership, Worker, encode
+from lightning_oobleck.recovery.protocol import SECRET_ENV, LineReader, Membership, Worker, encode
 
 log = logging.getLogger(__name__)
 
@@ -383,7 +383,11 @@ def holds_connection(pid: int, sock: socket.socket) -> bool:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Run a coordinator until every worker finished or died (the SLURM batch host runs this).
+    """Run a coordinator until every worker finished or died: for a launcher of your own (the local
+    launcher hosts one in its supervisor; the SLURM batch host runs
+    :mod:`lightning_oobleck.slurm.rendezvous`, which adds the rendezvous store and the join file). The job's
+    secret comes from ``$OOBLECK_COORDINATOR_SECRET`` (give the workers the same; not on the command line,
+    where every user of the host could read it).
 
     Exit status 0 if at least one worker finished normally, 1 otherwise.
     """
@@ -413,6 +417,7 @@ def main(argv: list[str] | None = None) -> int:
         agreement_timeout=args.agreement_timeout,
         advertise_host=args.advertise_host,
         kill_fenced=args.kill_fenced,
+        secret=os.environ.get(SECRET_ENV) or None,
     ) as coordinator:
         log.info("listening on %s for %d workers", coordinator.address, args.world_size)
         if args.address_file:

@@ -10,7 +10,6 @@ from torch.utils.data import DataLoader, TensorDataset
 from lightning_oobleck.lightning.data import (
     DataPosition,
     GlobalBatchSampler,
-    share_of_pipeline,
     wrap_dataloader,
 )
 
@@ -21,7 +20,7 @@ def shares(microbatches: list[int]) -> list[range]:
     """The sample ranges of pipelines with these micro-batch counts (consecutive, as in Plan)."""
     out, start = [], 0
     for m in microbatches:
-        out.append(share_of_pipeline(range(start, start + m), MICRO))
+        out.append(range(start * MICRO, (start + m) * MICRO))
         start += m
     return out
 

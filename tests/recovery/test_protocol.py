@@ -8,6 +8,7 @@ fenced ends its process, so fenced agents only run in worker processes: see test
 from __future__ import annotations
 
 import json
+import os
 import socket
 import struct
 import subprocess
@@ -255,6 +256,7 @@ def test_the_launchers_supervisor_hosts_the_coordinator_and_exports_its_address(
 
 
 def test_the_coordinator_entry_point_serves_until_the_workers_finished(tmp_path: Path) -> None:
+    """With the job's secret from the environment: a client without it is refused, the worker is served."""
     address_file = tmp_path / "coordinator.addr"
     command = [
         sys.executable,
@@ -264,13 +266,18 @@ def test_the_coordinator_entry_point_serves_until_the_workers_finished(tmp_path:
         "--host=127.0.0.1",
     ]
     with subprocess.Popen(
-        [*command, f"--address-file={address_file}"], stderr=subprocess.PIPE, text=True
+        [*command, f"--address-file={address_file}"],
+        stderr=subprocess.PIPE,
+        text=True,
+        env={**os.environ, SECRET_ENV: "s3cret"},
     ) as proc:
         try:
             address = wait_until(
                 lambda: address_file.exists() and address_file.read_text().strip(), 20.0, "address"
             )
-            with WorkerAgent((0, 0), address, connect_timeout=5.0) as agent:
+            with pytest.raises(RegistrationRefused, match="secret is missing or wrong"):
+                WorkerAgent((0, 0), address, connect_timeout=5.0, secret="wrong").start()
+            with WorkerAgent((0, 0), address, connect_timeout=5.0, secret="s3cret") as agent:
                 assert agent.agree(after=-1, timeout=5.0).workers == (W(0, 0),)
             assert proc.wait(timeout=5.0) == 0
             assert "generation 0 agreed" in proc.stderr.read()  # type: ignore[union-attr]
