@@ -48,7 +48,9 @@ def load_config(schema: type[T], path: str | Path | None = None, overrides: Sequ
         node = OmegaConf.load(path)
     except OmegaConfBaseException as e:
         raise ConfigError(f"cannot read the configuration from {path}: {e.msg}") from e
-    structured(schema, node, source=str(path))  # its errors name the file
+    from_file = structured(schema, node, source=str(path))  # its errors name the file
+    if not overrides:
+        return from_file
     return structured(schema, node, OmegaConf.from_dotlist(list(overrides)), source="the overrides")
 
 

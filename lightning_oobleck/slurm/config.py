@@ -94,6 +94,11 @@ class SubmitConfig:
                 )
 
     @property
+    def command(self) -> tuple[str, ...]:
+        """``script`` (an absolute path: the job may run elsewhere) and its ``args``; empty without one."""
+        return (str(Path(self.script).absolute()), *self.args) if self.script is not None else ()
+
+    @property
     def num_tasks_per_node(self) -> int:
         if self.tasks_per_node is not None:
             return self.tasks_per_node

@@ -100,6 +100,7 @@ def submit(config: SubmitConfig, function: Callable[[], Any] | None = None) -> s
     task = _task(config, function)
     try:
         partition, size = cluster.partition_size(config.partition)
+        gpus = cluster.partition_gpus(partition) if config.gpus_per_node else 0
     except cluster.SlurmError as e:
         raise SubmitConfigError(str(e)) from e
     if config.nodes > size:
@@ -107,15 +108,13 @@ def submit(config: SubmitConfig, function: Callable[[], Any] | None = None) -> s
             f"{SECTION}.nodes={config.nodes} but partition '{partition}' has {size} nodes: "
             f"ask for at most {size} or choose another partition ({SECTION}.partition=...)"
         )
-    if config.gpus_per_node:
-        gpus = _partition_gpus(partition)
-        if gpus < config.gpus_per_node:
-            has = f"nodes of {gpus} GPUs" if gpus else "no GPUs"
-            raise SubmitConfigError(
-                f"{SECTION}.gpus_per_node={config.gpus_per_node} but partition '{partition}' has {has}: "
-                f"ask for at most {gpus}{' (a CPU-only cluster)' if not gpus else ''} or choose another "
-                f"partition ({SECTION}.partition=...)"
-            )
+    if gpus < config.gpus_per_node:
+        has = f"nodes of {gpus} GPUs" if gpus else "no GPUs"
+        raise SubmitConfigError(
+            f"{SECTION}.gpus_per_node={config.gpus_per_node} but partition '{partition}' has {has}: "
+            f"ask for at most {gpus}{' (a CPU-only cluster)' if not gpus else ''} or choose another "
+            f"partition ({SECTION}.partition=...)"
+        )
     log_dir = Path(config.log_dir).absolute()
     executor = submitit.AutoExecutor(folder=log_dir / "%j", cluster="slurm")
     parameters: dict[str, Any] = {
@@ -146,13 +145,6 @@ def submit(config: SubmitConfig, function: Callable[[], Any] | None = None) -> s
         raise cluster.SlurmError(f"sbatch refused the job: {lines[-1] if lines else e}") from None
 
 
-def _partition_gpus(partition: str) -> int:
-    try:
-        return cluster.partition_gpus(partition)
-    except cluster.SlurmError as e:
-        raise SubmitConfigError(str(e)) from e
-
-
 def _task(config: SubmitConfig, function: Callable[[], Any] | None) -> Callable[[], Any]:
     """What every task runs: ``function``, or ``config.script`` with ``config.args`` (exactly one of them)."""
     if function is not None:
@@ -167,7 +159,8 @@ def _task(config: SubmitConfig, function: Callable[[], Any] | None) -> Callable[
         raise SubmitConfigError(
             f"{SECTION}.script={config.script!r} is not a file (paths are relative to here)"
         )
-    return ScriptTask(str(Path(config.script).absolute()), tuple(config.args))
+    script, *args = config.command
+    return ScriptTask(script, tuple(args))
 
 
 def check_lines(config: SubmitConfig, log_dir: Path) -> list[str]:
@@ -177,8 +170,7 @@ def check_lines(config: SubmitConfig, log_dir: Path) -> list[str]:
     if config.script is None or not config.check:
         return []
     log = shlex.quote(str(log_dir)) + f'/"$SLURM_JOB_ID"/{CHECK_LOG}'
-    script = [str(Path(config.script).absolute()), *config.args]
-    check = f"{shlex.quote(sys.executable)} -m {TASK_MODULE} --check --log {log} {shlex.join(script)}"
+    check = f"{shlex.quote(sys.executable)} -m {TASK_MODULE} --check --log {log} {shlex.join(config.command)}"
     return [f"{check} || exit 2"]
 
 
@@ -189,8 +181,8 @@ def rendezvous_setup_lines(log_dir: Path, config: SubmitConfig | None = None) ->
     start = f"{shlex.quote(sys.executable)} -m {rendezvous.MODULE} --detach --watch-pid $$ --log {log}"
     if config is not None:
         start += "".join(f" --setup {shlex.quote(line)}" for line in config.setup)
-        if config.script is not None:
-            start += " -- " + shlex.join([str(Path(config.script).absolute()), *config.args])
+        if config.command:
+            start += " -- " + shlex.join(config.command)
     return [f"oobleck_exports=$({start}) || exit 1", 'eval "$oobleck_exports"']
 
 
