@@ -5,7 +5,7 @@ Real: ``Trainer.fit`` with ``OobleckStrategy`` on 6 CPU processes, each a node, 
 time, so 6 processes on 2 cores behave like 6 devices of known speed) on the planner's plan, in the loop
 users run (a DataLoader worker per process, AdamW with a per-step LR schedule, gradient clipping, a CSV
 logger; no validation runs, which the simulator does not model). Two nodes SIGKILL themselves at set times
-after the first step (:class:`~lightning_oobleck.lightning.callbacks.KillAt` with ``after_s``), wherever the
+after the first step (a fault at the point ``step`` with ``after_s``), wherever the
 schedule is then; the survivors recover in place and train on. The run's event file says when each step
 ended and each recovery resumed.
 
@@ -42,14 +42,13 @@ from torch.nn import functional as F
 from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_oobleck.lightning import OobleckStrategy, PipelineModule
-from lightning_oobleck.lightning.callbacks import KillAt
 from lightning_oobleck.lightning.units import EVENTS_FILE
 from lightning_oobleck.planning import ClusterSpec, make_plan
 from lightning_oobleck.planning.plan import Plan
 from lightning_oobleck.planning.reconfigure import after_failures
 from lightning_oobleck.recovery import read_events
 from lightning_oobleck.simulation import NodeEvent, PolicyResult, Trace, simulate_oobleck
-from lightning_oobleck.testing import DeviceTimes, emulated_layers, emulated_profile
+from lightning_oobleck.testing import DeviceTimes, Fault, FaultPoint, arm, emulated_layers, emulated_profile
 
 NODES, LAYERS, WIDTH, GLOBAL_BATCH, MICRO = 6, 6, 16, 24, 2
 TIMES = DeviceTimes(forward_s=0.01, input_grad_s=0.01, weight_grad_s=0.01)
@@ -91,16 +90,18 @@ class EmulatedNet(PipelineModule, L.LightningModule):
         return {"optimizer": optimizer, "lr_scheduler": {"scheduler": schedule, "interval": "step"}}
 
 
-class TimedKill(KillAt):
-    """:class:`KillAt` ``after_s`` seconds into step 1, writing the moment of the kill to ``out``."""
+class TimedKill(L.Callback):
+    """SIGKILL node ``node`` ``after_s`` seconds into step 1 (the fault point ``step``, then a timer: wherever
+    the schedule is then), writing the moment of the kill to ``out``."""
 
-    def __init__(self, out: Path, rank: int, after_s: float) -> None:
-        super().__init__(rank, step=1, after_s=after_s)
-        self.out = out
+    def __init__(self, out: Path, node: int, after_s: float) -> None:
+        self.out, self.node, self.after_s = out, node, after_s
 
-    def kill(self) -> None:
-        (self.out / f"killed-{self.rank}").write_text(str(time.time()))
-        super().kill()
+    def on_fit_start(self, trainer: L.Trainer, module: L.LightningModule) -> None:
+        arm(Fault(FaultPoint.STEP, node=self.node, step=1, after_s=self.after_s), report=self._record)
+
+    def _record(self, fault: Fault) -> None:
+        (self.out / f"killed-{self.node}").write_text(str(time.time()))
 
 
 class PlanLog(L.Callback):
@@ -112,7 +113,7 @@ class PlanLog(L.Callback):
 
     def on_train_batch_end(self, trainer: L.Trainer, *args: Any) -> None:
         strategy = trainer.strategy
-        generation = strategy.engine.groups.generation
+        generation = strategy.generation
         if trainer.is_global_zero and generation != self.generation:
             self.generation = generation
             pipelines = [list(p.nodes) for p in strategy.plan.pipelines]

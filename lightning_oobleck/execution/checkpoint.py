@@ -36,7 +36,6 @@ from pathlib import Path
 from typing import Any
 
 import torch
-import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import nn
 from torch.distributed.checkpoint import FileSystemReader, TensorStorageMetadata
@@ -51,6 +50,7 @@ from torch.optim import Optimizer
 
 from lightning_oobleck.execution.stage import StageModule, Tie
 from lightning_oobleck.planning.plan import Plan
+from lightning_oobleck.worker import Worker
 
 METADATA_FILE = "lightning.pt"
 INDEX_FILE = "index.json"
@@ -83,20 +83,14 @@ def _canonical_names(module: nn.Module) -> Callable[[str], str]:
     return lambda key: pattern.sub(lambda m: aliases[m.group(1)], key)
 
 
-def shard_name(worker: tuple[int, int]) -> str:
+def shard_name(worker: Worker) -> str:
     """The shard directory of worker ``(node, device)``."""
     return f"{worker[0]}.{worker[1]}"
 
 
-def layer_writers(plan: Plan) -> dict[int, tuple[int, int]]:
+def layer_writers(plan: Plan) -> dict[int, Worker]:
     """Who writes each layer under ``plan``: its replica in the lowest-numbered pipeline holding it."""
     return {layer: plan.layer_owners(layer)[0] for layer in range(plan.num_layers)}
-
-
-def lowest_pipeline_writes(plan: Plan, worker: tuple[int, int]) -> Callable[[int], bool]:
-    """``is_writer_for_layer`` for ``worker`` under ``plan`` (:func:`layer_writers`)."""
-    written = {layer for layer, writer in layer_writers(plan).items() if writer == worker}
-    return written.__contains__
 
 
 def partial_path(path: str | Path, attempt: str) -> Path:
@@ -180,40 +174,6 @@ def commit(partial: str | Path, path: str | Path) -> None:
             partial.rename(path)
     for leftover in path.parent.glob(f".{path.name}.partial-*"):
         shutil.rmtree(leftover, ignore_errors=True)
-
-
-def save_sharded(
-    path: str | Path,
-    module: nn.Module,
-    optimizers: Iterable[Optimizer],
-    metadata: Mapping[str, Any],
-    *,
-    is_writer_for_layer: Callable[[int], bool] | None = None,
-) -> None:
-    """Collective over the default group (or one process without it): write and commit a checkpoint.
-
-    ``is_writer_for_layer``: whether this process writes layer ``i``; ``None`` lets every holder write it
-    and the index names the lowest rank's copy. Blocking: code that must survive a lost peer writes with
-    :func:`write_shard` and confirms with its own abortable collective instead.
-    """
-    distributed = dist.is_initialized()
-    rank = dist.get_rank() if distributed else 0
-    partial = partial_path(path, "collective")
-    name = f"rank{rank}"
-    written = write_shard(partial, module, optimizers, name, is_writer_for_layer or (lambda layer: True))
-    everyone: list[Any] = [(name, written)]
-    if distributed:
-        everyone = [None] * dist.get_world_size()
-        dist.all_gather_object(everyone, (name, written))
-    if rank == 0:
-        shards: dict[int, str] = {}
-        for shard, layers in everyone:
-            for layer in layers:
-                shards.setdefault(layer, shard)
-        write_metadata(partial, metadata, shards)
-        commit(partial, path)
-    if distributed:
-        dist.barrier()
 
 
 def load_sharded(path: str | Path, module: nn.Module, optimizers: Iterable[Optimizer] = ()) -> dict[str, Any]:

@@ -12,13 +12,15 @@ from __future__ import annotations
 
 import math
 import threading
-from collections.abc import Sequence
+from collections.abc import Mapping
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 import torch.utils._pytree as pytree
 from torch import Tensor
 
+from lightning_oobleck.execution import faults
 from lightning_oobleck.execution.grad_sync import DEFAULT_BUCKET_CAP_BYTES, GradientSync
 from lightning_oobleck.execution.process_groups import ProcessGroups
 from lightning_oobleck.execution.schedule import Context, LossFn, Microbatch, StageContext, run_actions
@@ -40,6 +42,7 @@ from lightning_oobleck.planning.schedules import (
     pipeline_actions,
     validate,
 )
+from lightning_oobleck.worker import Worker
 
 
 def pipeline_batch_slice(plan: Plan, pipeline: int) -> slice:
@@ -82,6 +85,18 @@ def check_plan(plan: Plan, num_layers: int, tied_layers: tuple[tuple[int, ...], 
                 f"a {p.template.num_nodes}-node template's stages {bounds} do not split layers "
                 f"0..{num_layers - 1} into contiguous non-empty ranges"
             )
+
+
+@dataclass(frozen=True)
+class StepResult:
+    """What a training step's commit (:meth:`PipelineEngine.commit`) all-reduced over every worker."""
+
+    grad_norm_sq: float
+    """The whole model's squared gradient norm (NaN when the step did not compute it)."""
+    loss: float
+    """The global mean loss of the step."""
+    sums: dict[str, float] = field(default_factory=dict)
+    """The sums of the numbers the layers above shared, by name."""
 
 
 class PipelineEngine:
@@ -147,7 +162,9 @@ class PipelineEngine:
         module.recompute = pipeline.stages[self.role.stage].recompute
         self.microbatches = pipeline.microbatches
         self.batch_slice = pipeline_batch_slice(plan, self.role.pipeline)
-        self._context = StageContext(module, self.device, groups.waiter, self.abort, groups.rank_of)
+        self._context = StageContext(
+            module, self.device, groups.world, groups.waiter, self.abort, groups.rank_of
+        )
         if self._grad_sync is not None:
             self._grad_sync.close()
         self._grad_sync = GradientSync(module, groups, self.bucket_cap_bytes)
@@ -170,9 +187,7 @@ class PipelineEngine:
         ]
 
     @staticmethod
-    def _actions(
-        plan: Plan, worker: tuple[int, int], sync: GradientSync
-    ) -> tuple[list[Action], list[Action]]:
+    def _actions(plan: Plan, worker: Worker, sync: GradientSync) -> tuple[list[Action], list[Action]]:
         """This worker's training and evaluation action lists under ``plan``, validated with its whole
         pipeline's (once per generation: the lists are the same every step)."""
         role = plan.role(*worker)
@@ -268,16 +283,19 @@ class PipelineEngine:
             None,
         )
 
-    def commit(self, loss: Tensor | None, extra: Sequence[float] = (), grad_norm: bool = True) -> list[float]:
-        """The end of a training step, after :meth:`train_step`: all-reduce (sum, bounded, abortable)
-        ``[this worker's part of the squared gradient norm, its loss part, *extra]`` over every worker.
+    def commit(
+        self, loss: Tensor | None, shared: Mapping[str, float] | None = None, grad_norm: bool = True
+    ) -> StepResult:
+        """The end of a training step, after :meth:`train_step`: all-reduce (sum, bounded, abortable) this
+        worker's part of the squared gradient norm, its loss part and the numbers ``shared`` over every
+        worker; its completion on any worker proves that every worker finished the step's gradient sync.
 
-        Returns ``[global squared gradient norm, global mean loss, *sums of extra]``; its completion on any
-        worker proves that every worker finished the step's gradient sync. ``extra`` lets the caller share
-        more numbers per step without another collective (the Lightning glue: its SIGTERM flag; the
-        recovery: the joiners waiting). Without
-        ``grad_norm`` (a step that does not clip by norm) the norm is not computed and comes back NaN.
+        ``shared`` lets the layers above share more numbers per step without another collective (the
+        Lightning glue: its SIGTERM flag; the unit runner: the nodes waiting to join); every worker passes the
+        same names in the same order. Without ``grad_norm`` (a step that does not clip by norm) the norm is
+        not computed and comes back NaN.
         """
+        shared = dict(shared or {})
         part = loss if loss is not None else torch.zeros((), device=self.device)
         values = torch.cat(
             [
@@ -285,10 +303,12 @@ class PipelineEngine:
                 if grad_norm
                 else torch.full((1,), math.nan, dtype=torch.float64, device=self.device),
                 part.detach().to(torch.float64).reshape(1),
-                torch.tensor(list(extra), dtype=torch.float64, device=self.device),
+                torch.tensor(list(shared.values()), dtype=torch.float64, device=self.device),
             ]
         )
-        return self.groups.all_reduce(values, self.abort).tolist()
+        norm_sq, mean_loss, *sums = self.groups.all_reduce(values, self.abort).tolist()
+        faults.reach(faults.FaultPoint.COMMIT)
+        return StepResult(norm_sq, mean_loss, dict(zip(shared, sums, strict=True)))
 
     def evaluate(self, inputs: Any, targets: Any, context: Context | None = None) -> Tensor:
         """:meth:`eval_step`, then the global mean loss (an all-reduce over every worker, abortable)."""

@@ -24,6 +24,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.utils.hooks import RemovableHandle
 
+from lightning_oobleck.execution import faults
 from lightning_oobleck.execution.process_groups import ProcessGroups
 from lightning_oobleck.execution.stage import StageModule
 
@@ -123,6 +124,7 @@ class GradientSync:
         with self.groups.waiter.issuing():
             self._works.append(dist.all_reduce(bucket.flat, group=bucket.group, async_op=True))
         self._next += 1
+        faults.reach(faults.FaultPoint.REDUCE)
 
     def reduce(self, bucket: int) -> None:
         """Issue bucket ``bucket`` (and those before it) if their gradients did not already."""

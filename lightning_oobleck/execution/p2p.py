@@ -204,9 +204,16 @@ class Outbox:
     """
 
     def __init__(
-        self, peer: int, device: torch.device, waiter: CommWaiter, abort: threading.Event, header: bool
+        self,
+        peer: int,
+        group: dist.ProcessGroup,
+        device: torch.device,
+        waiter: CommWaiter,
+        abort: threading.Event,
+        header: bool,
     ) -> None:
         self.peer = peer
+        self.group = group
         self.device = device
         self._waiter = waiter
         self._abort = abort
@@ -249,7 +256,7 @@ class Outbox:
         if t.numel() == 0:
             return  # gloo refuses empty messages; the receiver knows the shape from the header
         with self._waiter.issuing():
-            self._pending.append((dist.isend(t, self.peer), t))
+            self._pending.append((dist.isend(t, self.peer, group=self.group), t))
 
     def wait(self) -> None:
         """Block (abortably) until every tensor sent so far has left."""
@@ -269,6 +276,7 @@ class Inbox:
     def __init__(
         self,
         peer: int,
+        group: dist.ProcessGroup,
         count: int,
         device: torch.device,
         waiter: CommWaiter,
@@ -276,6 +284,7 @@ class Inbox:
         header: bool,
     ) -> None:
         self.peer = peer
+        self.group = group
         self.device = device
         self._header = header
         self._remaining = count
@@ -291,7 +300,7 @@ class Inbox:
         if buf.numel() == 0:
             return None, buf
         with self._waiter.issuing():
-            return dist.irecv(buf, self.peer), buf
+            return dist.irecv(buf, self.peer, group=self.group), buf
 
     def _wait(self, received: Sequence[_Received]) -> list[Tensor]:
         self._waiter.wait([work for work, _ in received if work is not None], self._abort)

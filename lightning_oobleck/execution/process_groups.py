@@ -1,13 +1,28 @@
 """The one owner of torch.distributed state for one generation of a plan.
 
-Every process that runs a worker of a plan creates one :class:`ProcessGroups`; it initialises the
-default group over the plan's workers (rank = position in ``plan.workers``) and one gradient group per
-distinct set of layer owners (and of a tie's owners), and issues the generation's collectives through its
-abortable :class:`~lightning_oobleck.execution.comm.CommWaiter` (:meth:`ProcessGroups.all_reduce`). After a
-failure, recovery calls :meth:`ProcessGroups.abort` and creates the next generation in the same process; the
-generation prefixes every key in the rendezvous store, so stale keys of an earlier generation can never be
-mistaken for new ones. This module is the only code that touches torch.distributed's private state
-(:func:`_forget_all_groups`).
+Every process that runs a worker of a plan creates one :class:`ProcessGroups`; it creates the generation's
+*world* group over the plan's workers (rank = position in ``plan.workers``) and one gradient group per
+distinct set of layer owners (and of a tie's owners), hands them out (:attr:`ProcessGroups.world`,
+:meth:`ProcessGroups.grad_group`, :meth:`ProcessGroups.device_mesh`) and issues the generation's
+collectives through its abortable :class:`~lightning_oobleck.execution.comm.CommWaiter`. Every collective
+and point-to-point call of the package names its group. After a failure, recovery calls
+:meth:`ProcessGroups.abort` and creates the next generation in the same process; the generation prefixes
+every key in the rendezvous store, so stale keys of an earlier generation can never be mistaken for new
+ones. Its only ways out are :meth:`~ProcessGroups.abort` and :meth:`~ProcessGroups.destroy`;
+:meth:`~ProcessGroups.errored` says why its communication failed.
+
+**Why the world group is torch's default group.** torch can build a group that no registry knows
+(``ProcessGroupGloo(store, rank, size)``), but nothing else can use it: ``DeviceMesh`` and DTensor (the
+tensor-parallel layers) resolve groups through torch's registry, whose groups other than the default can
+only be created through the default group (``new_group``), and Lightning and torchmetrics decide whether
+to synchronise by ``torch.distributed.is_initialized()``. So the world group is created with
+``init_process_group`` and left with ``destroy_process_group``, both public, and never by editing torch's
+registry. This module is the only code that calls either. Leaving a failed generation must not wait for
+operations stuck on a silent peer: since :data:`ABORT_CHECKED_ON`, ``destroy_process_group`` returns at
+once with operations pending (the test ``test_abort_leaves_pending_operations`` fails on a torch where it
+does not), but the last reference to a group runs its destructor, which does wait; so the groups of a
+generation left by :meth:`~ProcessGroups.abort` stay referenced for the rest of the process
+(:data:`_ABORTED`), their stuck operations timing out in the background.
 """
 
 from __future__ import annotations
@@ -17,14 +32,19 @@ from datetime import timedelta
 
 import torch
 import torch.distributed as dist
-import torch.distributed.distributed_c10d as c10d
+from torch.distributed.device_mesh import DeviceMesh
 
 from lightning_oobleck.execution.comm import CommWaiter
 from lightning_oobleck.execution.errors import PeerFailure
 from lightning_oobleck.planning.plan import Plan
+from lightning_oobleck.worker import Worker
 
-Worker = tuple[int, int]
-"""A ``(node, device)`` pair."""
+ABORT_CHECKED_ON = "2.13"
+"""The torch version on which leaving a generation with operations pending was checked not to wait."""
+
+_ABORTED: list[dist.ProcessGroup] = []
+"""Groups of generations left by :meth:`ProcessGroups.abort`: a group's destructor waits for its pending
+operations, so none may run while one is stuck on a silent peer."""
 
 
 def backend_for(device: torch.device) -> str:
@@ -33,7 +53,7 @@ def backend_for(device: torch.device) -> str:
 
 
 class ProcessGroups:
-    """Default group plus per-owner-set gradient groups of one plan and generation.
+    """The world group plus per-owner-set gradient groups of one plan and generation.
 
     ``timeout`` bounds every wait (and is the process groups' own timeout); ``slow_after``: with a failure
     detector, waits on live peers warn after it and go on (see :class:`CommWaiter`)."""
@@ -56,7 +76,7 @@ class ProcessGroups:
             )
         if dist.is_initialized():
             raise RuntimeError(
-                "a default process group already exists in this process; destroy() the previous "
+                "a generation's groups already exist in this process; abort() or destroy() the previous "
                 "generation's ProcessGroups before creating the next one"
             )
         self.plan = plan
@@ -67,6 +87,7 @@ class ProcessGroups:
         self._ranks = {w: i for i, w in enumerate(workers)}
         self.rank = self._ranks[worker]
         self.world_size = len(workers)
+        self._error: BaseException | None = None
         dist.init_process_group(
             backend,
             store=dist.PrefixStore(f"gen{generation}/", store),
@@ -74,12 +95,21 @@ class ProcessGroups:
             world_size=self.world_size,
             timeout=timeout,
         )
+        self.world: dist.ProcessGroup = dist.group.WORLD  # type: ignore[assignment]
+        """The group of every worker of the generation (ranks: positions in ``plan.workers``)."""
         self._grad_groups: dict[tuple[int, ...], dist.ProcessGroup] = {}
-        for ranks in self._owner_rank_sets():
-            # new_group is collective over the default group: every rank creates every group, same order.
-            group = dist.new_group(list(ranks), timeout=timeout)
-            if self.rank in ranks:
-                self._grad_groups[ranks] = group
+        self._all_groups: list[dist.ProcessGroup] = [self.world]
+        try:
+            for ranks in self._owner_rank_sets():
+                # new_group is collective over the world group: every rank creates every group, same order.
+                group = dist.new_group(list(ranks), timeout=timeout)
+                self._all_groups.append(group)
+                if self.rank in ranks:
+                    self._grad_groups[ranks] = group
+        except RuntimeError:  # a peer lost while connecting: leave without waiting for it
+            _ABORTED.extend(self._all_groups)
+            self._leave()
+            raise
         self.slow_after = slow_after
         self.waiter = CommWaiter(timeout, slow_after=slow_after)
         self._destroyed = False
@@ -104,9 +134,22 @@ class ProcessGroups:
             raise KeyError(f"worker {self.worker} is not among the owners {owners}")
         return self._grad_groups[ranks]
 
+    def device_mesh(self, device_type: str | None = None) -> DeviceMesh:
+        """A one-dimensional ``DeviceMesh`` over the generation's world group (for DTensor), on
+        ``device_type`` (default: the backend's: ``cuda`` with NCCL, else ``cpu``)."""
+        device_type = device_type or ("cuda" if self.backend == "nccl" else "cpu")
+        return DeviceMesh.from_group(self.world, device_type)
+
     @property
     def destroyed(self) -> bool:
+        """Whether the generation was left (:meth:`abort` or :meth:`destroy`)."""
         return self._destroyed
+
+    def errored(self) -> BaseException | None:
+        """Why the generation's communication failed (a lost peer, an abort, a timeout), or ``None``."""
+        if self._error is None and self.waiter.broken is not None:
+            self._error = PeerFailure(self.waiter.broken)
+        return self._error
 
     def all_reduce(
         self, tensor: torch.Tensor, abort: threading.Event, op: dist.ReduceOp.RedOpType = dist.ReduceOp.SUM
@@ -117,33 +160,27 @@ class ProcessGroups:
         set or the generation's timeout passes.
         """
         with self.waiter.issuing():
-            work = dist.all_reduce(tensor, op=op, async_op=True)
+            work = dist.all_reduce(tensor, op=op, group=self.world, async_op=True)
         self.waiter.wait([work], abort)
         return tensor
 
-    def abort(self) -> list[dist.ProcessGroup]:
+    def abort(self, reason: str = "aborted") -> None:
         """Leave this generation at once, without waiting for its pending operations (after a failure).
 
-        gloo's shutdown (in :meth:`destroy`, and in a group's destructor) waits for every pending
-        operation, and one blocked on a live peer that is itself stuck ends only at the group timeout.
-        This unregisters the groups without shutting them down and returns them: the caller must keep
-        them referenced for the rest of the process (their operations fail or time out in the
-        background). With NCCL, the communicators are aborted first (``ProcessGroup.abort``), so that
-        kernels waiting on a lost peer end.
+        With NCCL, every communicator is aborted first (``ProcessGroup.abort``), so that kernels waiting on
+        a lost peer end; then the groups are destroyed and kept referenced (see the module's docstring):
+        their stuck operations fail or time out in the background. A new generation may follow.
         """
         if self._destroyed:
-            return []
+            return
+        self._error = self.errored() or PeerFailure(reason)
         self._destroyed = True
         self.waiter.close()
-        if not dist.is_initialized():
-            return []
-        kept = [c10d._get_default_group(), *self._grad_groups.values()]
-        self._grad_groups.clear()
-        if self.backend == "nccl":  # untested here: no GPU; ProcessGroup.abort is public API
-            for group in kept:
+        if self.backend == "nccl":
+            for group in reversed(self._all_groups):
                 group.abort()
-        _forget_all_groups()
-        return kept
+        _ABORTED.extend(self._all_groups)
+        self._leave()
 
     def destroy(self) -> None:
         """Tear down every group of this generation (idempotent); a new generation may follow."""
@@ -151,7 +188,11 @@ class ProcessGroups:
             return
         self._destroyed = True
         self.waiter.close()
+        self._leave()
+
+    def _leave(self) -> None:
         self._grad_groups.clear()
+        self._all_groups.clear()
         if dist.is_initialized():
             dist.destroy_process_group()
 
@@ -180,28 +221,4 @@ def join_generation(
     try:
         return ProcessGroups(plan, worker, store, generation, backend, timeout, slow_after)
     except RuntimeError as e:  # gloo reports a peer lost while connecting as a plain RuntimeError
-        if dist.is_initialized():
-            dist.destroy_process_group()
         raise PeerFailure(f"building the groups of generation {generation} failed: {e}") from e
-
-
-def _forget_all_groups() -> None:
-    """Unregister every process group of this process without shutting any down.
-
-    torch.distributed has no public API for this (``destroy_process_group`` shuts groups down, which
-    waits for operations stuck on silent peers), so it edits the process-group registry directly.
-    """
-    c10d._update_default_pg(None)
-    world = c10d._world
-    for registry in (
-        world.pg_map,
-        world.pg_names,
-        world.pg_group_ranks,
-        world.pg_backend_config,
-        world.pg_to_tag,
-        world.tags_to_pg,
-        world.pg_coalesce_state,
-    ):
-        registry.clear()
-    c10d._unregister_all_process_groups()
-    world.group_count = 0

@@ -23,8 +23,10 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch import Tensor
 
+from lightning_oobleck.execution import faults
 from lightning_oobleck.execution.backward import (
     WeightGradient,
     backward_input,
@@ -49,6 +51,8 @@ class StageContext:
 
     module: StageModule
     device: torch.device
+    group: dist.ProcessGroup
+    """The generation's world group, over which peers are reached (ranks: :attr:`rank_of`)."""
     waiter: CommWaiter
     abort: threading.Event
     rank_of: Callable[[Worker], int]
@@ -105,7 +109,7 @@ class _Step:
                 counts[(a.peer, a.payload)] = counts.get((a.peer, a.payload), 0) + 1
         args = (ctx.device, ctx.waiter, ctx.abort)
         self.inboxes = {
-            key: Inbox(ctx.rank_of(key[0]), n, *args, header=key[1] is Payload.ACTIVATION)
+            key: Inbox(ctx.rank_of(key[0]), ctx.group, n, *args, header=key[1] is Payload.ACTIVATION)
             for key, n in counts.items()
         }
         self.outboxes: dict[tuple[Worker, Payload], Outbox] = {}
@@ -113,7 +117,9 @@ class _Step:
             if a.op is Op.SEND and (a.peer, a.payload) not in self.outboxes:
                 assert a.peer is not None and a.payload is not None
                 header = a.payload is Payload.ACTIVATION
-                self.outboxes[(a.peer, a.payload)] = Outbox(ctx.rank_of(a.peer), *args, header=header)
+                self.outboxes[(a.peer, a.payload)] = Outbox(
+                    ctx.rank_of(a.peer), ctx.group, *args, header=header
+                )
         module = ctx.module
         self.split = [
             p
@@ -205,6 +211,14 @@ class _Step:
             box.wait()
 
 
+_FAULT_POINTS = {
+    Op.F: faults.FaultPoint.FORWARD,
+    Op.B: faults.FaultPoint.BACKWARD,
+    Op.I: faults.FaultPoint.INPUT_GRAD,
+    Op.W: faults.FaultPoint.WEIGHT_GRAD,
+}
+
+
 def run_actions(
     ctx: StageContext,
     actions: Sequence[Action],
@@ -227,6 +241,8 @@ def run_actions(
             if k == last_gradient:
                 assert sync is not None
                 sync.arm()
+            if train and (point := _FAULT_POINTS.get(a.op)) is not None:
+                faults.reach(point)
             if a.op is Op.F:
                 step.forward(a.microbatch, last_stage)
             elif a.op in (Op.B, Op.I, Op.W):

@@ -4,13 +4,13 @@ injector for drills (does the job survive losing this rank at this step?)."""
 from __future__ import annotations
 
 import os
-import signal
-import threading
+from dataclasses import replace
 from typing import Any, Literal
 
 import lightning as L
 from rich.console import Console
 
+from lightning_oobleck.execution.faults import Fault, FaultAction, FaultPoint, arm
 from lightning_oobleck.lightning.console import plan_table
 from lightning_oobleck.lightning.strategy import OobleckStrategy
 
@@ -24,9 +24,9 @@ class PlanSummary(L.Callback):
 
     def on_train_batch_end(self, trainer: L.Trainer, *args: Any) -> None:
         strategy = trainer.strategy
-        if not isinstance(strategy, OobleckStrategy) or strategy.engine.groups.generation == self.generation:
+        if not isinstance(strategy, OobleckStrategy) or strategy.generation == self.generation:
             return
-        self.generation = strategy.engine.groups.generation
+        self.generation = strategy.generation
         if trainer.is_global_zero:
             Console().print(plan_table(strategy.plan))
 
@@ -35,7 +35,9 @@ class KillAt(L.Callback):
     """Make the process launched as global rank ``rank`` fail when training reaches step ``step``: ``by``
     ``"sigkill"`` (a crash) or ``"exception"`` (an error in the training code, such as running out of
     memory). With ``after_s`` the SIGKILL comes that many seconds later, from a timer: wherever the
-    schedule, a recovery or the next steps are then, as a real crash would."""
+    schedule, a recovery or the next steps are then, as a real crash would. A thin user of the fault points
+    of :mod:`lightning_oobleck.testing` (:attr:`~lightning_oobleck.testing.FaultPoint.STEP`), which name
+    any moment of a step, a recovery or a checkpoint."""
 
     def __init__(
         self, rank: int, step: int, by: Literal["sigkill", "exception"] = "sigkill", after_s: float = 0.0
@@ -47,25 +49,19 @@ class KillAt(L.Callback):
                 f"KillAt(after_s={after_s!r}, by={by!r}): a delay must be >= 0, and only a SIGKILL can come "
                 "later (an exception raised by a timer would not reach the training)"
             )
+        action = FaultAction.KILL if by == "sigkill" else FaultAction.RAISE
+        message = f"KillAt: an error in rank {rank} at step {step} (a demo)"
+        self.fault = Fault(FaultPoint.STEP, action, step=step, after_s=after_s, message=message)
         self.rank, self.step, self.by, self.after_s = rank, step, by, after_s
 
-    def on_train_batch_start(self, trainer: L.Trainer, *args: Any) -> None:
+    def on_fit_start(self, trainer: L.Trainer, *args: Any) -> None:
         strategy = trainer.strategy
-        if not isinstance(strategy, OobleckStrategy) or strategy.admission is not None:
+        if not isinstance(strategy, OobleckStrategy) or strategy.joined:
             return  # a node that joined later was not launched as a rank
-        node, device = strategy.worker
-        if node * strategy.config.devices_per_node + device != self.rank or trainer.global_step != self.step:
+        node, device = divmod(self.rank, strategy.config.devices_per_node)
+        if strategy.worker != (node, device):
             return
-        if self.by == "exception":
-            raise RuntimeError(f"KillAt: an error in rank {self.rank} at step {self.step} (a demo)")
-        if self.after_s > 0:
-            timer = threading.Timer(self.after_s, self.kill)
-            timer.daemon = True  # a kill due after the training ended never comes
-            timer.start()
-        else:
-            self.kill()
-
-    def kill(self) -> None:
-        """SIGKILL this process."""
-        Console().print(f"[bold red]KillAt: SIGKILL to rank {self.rank} (pid {os.getpid()})")
-        os.kill(os.getpid(), signal.SIGKILL)
+        if self.by == "sigkill":
+            when = f" {self.after_s:g} s into step {self.step}" if self.after_s else f" at step {self.step}"
+            Console().print(f"[bold red]KillAt: SIGKILL to rank {self.rank} (pid {os.getpid()}){when}")
+        arm(replace(self.fault, node=node, device=device))

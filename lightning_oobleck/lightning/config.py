@@ -15,7 +15,7 @@ from omegaconf import DictConfig
 
 from lightning_oobleck.config import load_config, structured
 from lightning_oobleck.planning.schedules import SCHEDULE_NAMES
-from lightning_oobleck.recovery.runtime import JoinPolicy
+from lightning_oobleck.recovery.admission import JoinPolicy
 
 StartMethod = Literal["forkserver", "spawn", "fork"]
 START_METHODS: tuple[str, ...] = ("forkserver", "spawn", "fork")

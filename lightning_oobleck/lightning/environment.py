@@ -26,6 +26,7 @@ from lightning.fabric.plugins.environments import ClusterEnvironment
 from lightning.fabric.utilities.rank_zero import rank_zero_only
 
 from lightning_oobleck.recovery.protocol import NODE_KEY_ENV
+from lightning_oobleck.worker import Worker
 
 STORE_ADDR_VAR = "OOBLECK_STORE_ADDR"
 """``host:port`` of the supervisor's TCPStore (set by the local launcher, or by the SLURM batch script)."""
@@ -95,7 +96,7 @@ class OobleckEnvironment(ClusterEnvironment):
         return self._read_position()
 
     @property
-    def worker(self) -> tuple[int, int]:
+    def worker(self) -> Worker:
         """``(node, device)``: this process's worker id in the plan; unchanged by renumbering."""
         return self.node_rank(), self.position.device
 

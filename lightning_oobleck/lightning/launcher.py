@@ -53,6 +53,7 @@ from lightning.fabric.utilities.rank_zero import rank_zero_only
 from lightning.pytorch.trainer.states import TrainerFn
 
 from lightning_oobleck.execution.exit_guard import die_with_parent
+from lightning_oobleck.execution.faults import FAULTS_ENV
 from lightning_oobleck.lightning._internals import (
     GlobalStateSnapshot,
     Launcher,
@@ -75,8 +76,8 @@ from lightning_oobleck.lightning.results import (
     write_worker_result,
 )
 from lightning_oobleck.recovery.agent import TrainingFinished, close_process_agent
+from lightning_oobleck.recovery.errors import UnrecoverableFailure
 from lightning_oobleck.recovery.protocol import NODE_KEY_ENV
-from lightning_oobleck.recovery.runtime import UnrecoverableFailure
 from lightning_oobleck.recovery.startup import StartFailure
 
 if TYPE_CHECKING:
@@ -87,6 +88,8 @@ log = logging.getLogger(__name__)
 _KILL_JOIN_TIMEOUT_S = 10.0
 _RELEASE_TIMEOUT_S = 300.0
 
+FORWARDED_ENV = (FAULTS_ENV,)
+"""Variables of the launching process handed to every worker as they are when the fit starts."""
 FORKSERVER_PRELOAD = ("torch", "torch.distributed", "lightning.pytorch", "lightning_oobleck.lightning")
 """Imported once by the fork server, so that forked workers start without importing them again. The fork
 server is one per process: whoever starts it first sets what it preloads."""
@@ -137,8 +140,9 @@ class Supervisor:
         self._port = port
         self._store_timeout_s = store_timeout_s
         self.store: dist.TCPStore | None = None
-        self.worker_env: dict[str, str] = {}
-        """Variables every worker gets besides its position, e.g. a service's address."""
+        self.worker_env: dict[str, str] = {k: os.environ[k] for k in FORWARDED_ENV if k in os.environ}
+        """Variables every worker gets besides its position, e.g. a service's address (and those of
+        :data:`FORWARDED_ENV` set now: a worker forked from a server started earlier would miss them)."""
         self._started: list[SupervisorService] = []
 
     @property

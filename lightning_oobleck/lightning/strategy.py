@@ -23,17 +23,14 @@ from __future__ import annotations
 import itertools
 import os
 import signal
-import warnings
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import replace
 from datetime import timedelta
-from functools import partial
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Literal
+from typing import Any, Literal
 
 import torch
 import torch.distributed as dist
-import torch.utils._pytree as pytree
 from lightning.fabric.utilities.types import ReduceOp
 from lightning.pytorch import LightningModule, Trainer
 from lightning.pytorch.plugins.precision import MixedPrecision, Precision
@@ -55,7 +52,7 @@ from lightning_oobleck.execution.checkpoint import (
     load_sharded_optimizers,
 )
 from lightning_oobleck.execution.process_groups import backend_for, check_plan_size
-from lightning_oobleck.execution.stage import Tie, build_stage, find_ties
+from lightning_oobleck.execution.stage import Tie, find_ties
 from lightning_oobleck.lightning._internals import (
     is_dataloader_shuffled,
     logged_results,
@@ -72,20 +69,25 @@ from lightning_oobleck.lightning.data import (
     wrap_dataloader,
 )
 from lightning_oobleck.lightning.environment import OobleckEnvironment, detect_environment
+from lightning_oobleck.lightning.generation import (
+    GenerationOptions,
+    JobPlanner,
+    first_generation,
+    join_running_training,
+)
 from lightning_oobleck.lightning.module import (
     PipelineExecutor,
     PipelineModule,
     as_pipeline_module,
-    example_forward_args,
     layer_source,
     meta_layers,
 )
-from lightning_oobleck.lightning.plan_agreement import check_layout_size, configured_plan
+from lightning_oobleck.lightning.plan_agreement import check_layout_size
 from lightning_oobleck.lightning.precision import with_global_norm_clipping
 from lightning_oobleck.lightning.summary import summarize_whole_model
 from lightning_oobleck.lightning.units import (
     LOGGER_VERSIONS,
-    FitUnits,
+    LightningLoop,
     check_tied_parameter_groups,
     host_key,
     logger_versions,
@@ -93,13 +95,11 @@ from lightning_oobleck.lightning.units import (
 )
 from lightning_oobleck.planning.plan import PLAN_CHECK_ENV, Plan, PlanChecked
 from lightning_oobleck.recovery.agent import WorkerAgent, close_process_agent, process_agent
+from lightning_oobleck.recovery.joiner import Admission
+from lightning_oobleck.recovery.membership import MembershipSettings
 from lightning_oobleck.recovery.protocol import ADDRESS_ENV, NODE_KEY_ENV, Timeouts, node_name
-from lightning_oobleck.recovery.runtime import Admission, join_training
 from lightning_oobleck.recovery.service import CoordinatorService
-from lightning_oobleck.recovery.startup import publish_plan, read_plan, start
-
-if TYPE_CHECKING:
-    from lightning_oobleck.planning import planner
+from lightning_oobleck.worker import Worker
 
 
 class OobleckStrategy(ParallelStrategy, PipelineExecutor):
@@ -174,7 +174,7 @@ class OobleckStrategy(ParallelStrategy, PipelineExecutor):
         self._stashed_grads: list[Tensor | None] | None = None
         self._store: dist.Store | None = None
         self._agent: WorkerAgent | None = None
-        self._units: FitUnits | None = None
+        self._units: LightningLoop | None = None
         self.ties: tuple[Tie, ...] = ()
         """The model's tied parameters (known from ``setup_environment`` on)."""
         self._admission: Admission | None = None
@@ -230,10 +230,20 @@ class OobleckStrategy(ParallelStrategy, PipelineExecutor):
         return self._engine
 
     @property
-    def worker(self) -> tuple[int, int]:
+    def worker(self) -> Worker:
         """This process's worker ``(node, device)``: the node id is the launch's (``SLURM_NODEID``, the local
         launcher's node), or the coordinator's for a process that joined."""
         return self._environment().worker
+
+    @property
+    def generation(self) -> int:
+        """The generation this process runs: 0 at the start, one more after every recovery or join."""
+        return self._require_groups().generation
+
+    @property
+    def joined(self) -> bool:
+        """Whether this process joined the running training (it was not launched with the job)."""
+        return self._admission is not None
 
     @property
     def admission(self) -> Admission | None:
@@ -283,7 +293,9 @@ class OobleckStrategy(ParallelStrategy, PipelineExecutor):
                 replace_failed_after_s=self.config.replace_failed_after_s,
                 preflight=self._refuse_before_launch,
                 # The coordinator of in-process recovery lives in the supervisor, which outlives every worker.
-                services=[CoordinatorService(heartbeat_timeout=self.config.heartbeat_timeout_s)],
+                services=[
+                    CoordinatorService(MembershipSettings(heartbeat_timeout=self.config.heartbeat_timeout_s))
+                ],
             )
 
     # ------------------------------------------------------------------ environment and setup
@@ -299,7 +311,7 @@ class OobleckStrategy(ParallelStrategy, PipelineExecutor):
         tied_layers = tuple(tie.layers for tie in self.ties)
         if os.environ.get(PLAN_CHECK_ENV):  # a check before the job's tasks start: plan, then stop
             self._check_trainer(self.lightning_module.trainer, self.lightning_module)
-            plan = self._plan(module, len(layers), num_workers)
+            plan = self._planner(module).plan(len(layers), num_workers)
             raise PlanChecked(check_plan_size(replace(plan, tied_layers=tied_layers), num_workers))
         # Every run of the process (fit, then validate...) has its own keys: plans, generations, recovery.
         store = self._store = dist.PrefixStore(
@@ -307,31 +319,24 @@ class OobleckStrategy(ParallelStrategy, PipelineExecutor):
         )
 
         def make_plan() -> Plan:
-            plan = self._plan(module, len(layers), num_workers)
+            plan = self._planner(module).plan(len(layers), num_workers)
             # The run's log directory travels with the plan: every worker (and whichever is rank 0 later)
             # writes logs and checkpoints under the versions the planning worker resolved.
             extra = {**plan.extra, LOGGER_VERSIONS: logger_versions(self.lightning_module.trainer)}
             return check_plan_size(replace(plan, tied_layers=tied_layers, extra=extra), num_workers)
 
-        backend = self.config.backend or backend_for(self.root_device)
-        cfg = self.config
+        options = GenerationOptions.of(self.config, self.config.backend or backend_for(self.root_device))
         if environment.node_key is not None:
-            self._join(environment, store, backend)
-        elif os.environ.get(
-            ADDRESS_ENV
-        ):  # a coordinator runs: workers lost before the first step are survived
-            self._agent = self._start_agent(environment.worker)
-            _, _, self._groups = start(
-                self._agent, store, make_plan, cfg.plan_timeout_s, **self._generation_options(backend)
-            )
+            self._join(environment, store, options)
         else:
-            plan = (
-                publish_plan(store, make_plan)
-                if environment.global_rank() == 0
-                else read_plan(store, cfg.plan_timeout_s)
+            if os.environ.get(
+                ADDRESS_ENV
+            ):  # a coordinator runs: workers lost before the first step are survived
+                self._agent = self._start_agent(environment.worker)
+            plans = environment.global_rank() == 0
+            self._groups = first_generation(
+                environment.worker, store, make_plan, self.config.plan_timeout_s, options, self._agent, plans
             )
-            timeout = timedelta(seconds=cfg.collective_timeout_s)
-            self._groups = ProcessGroups(plan, environment.worker, store, 0, backend, timeout)
         environment.set_global_rank(self._groups.rank)
         environment.set_world_size(self._groups.world_size)
         rank_zero_only.rank = self._groups.rank
@@ -346,18 +351,8 @@ class OobleckStrategy(ParallelStrategy, PipelineExecutor):
         timeouts = Timeouts(cfg.heartbeat_timeout_s, cfg.hang_timeout_s)
         return process_agent(worker, connect_timeout=cfg.plan_timeout_s, timeouts=timeouts, node_key=node_key)
 
-    def _generation_options(self, backend: str) -> dict[str, Any]:
-        """How a generation's process groups are built: the backend and the bounds of every wait."""
-        cfg = self.config
-        return {
-            "backend": backend,
-            "group_timeout": timedelta(seconds=cfg.hang_timeout_s),
-            "slow_after": timedelta(seconds=cfg.collective_timeout_s),
-        }
-
-    def _join(self, environment: OobleckEnvironment, store: dist.Store, backend: str) -> None:
-        """This process joins a running training: wait to be admitted at a step boundary, then take its role
-        in the new plan with the layers and optimizer state copied from live replicas."""
+    def _join(self, environment: OobleckEnvironment, store: dist.Store, options: GenerationOptions) -> None:
+        """This process joins a running training (:func:`join_running_training`)."""
         if not os.environ.get(ADDRESS_ENV):
             raise RuntimeError(
                 f"{NODE_KEY_ENV} is set (this process joins a running training) but {ADDRESS_ENV} is not: "
@@ -367,22 +362,9 @@ class OobleckStrategy(ParallelStrategy, PipelineExecutor):
         cfg, module = self.config, self._pipeline_module()
         self._agent = agent = self._start_agent((None, environment.position.device), environment.node_key)
         environment.set_node(agent.worker.node)
-        build_layers = partial(
-            build_stage,
-            layer_source(module),
-            device=self.root_device,
-            seed=module.init_seed,
-            init=module.init_layer,
+        self._admission = join_running_training(
+            agent, store, module, self.root_device, self.precision_plugin, options, cfg.hang_timeout_s
         )
-        with self.precision_plugin.tensor_init_context():
-            self._admission = join_training(
-                agent,
-                store,
-                build_layers,
-                self.root_device,
-                agreement_timeout=cfg.hang_timeout_s,
-                **self._generation_options(backend),
-            )
         self._groups = self._admission.groups
         plan = self._groups.plan
         self.config = replace(
@@ -408,11 +390,11 @@ class OobleckStrategy(ParallelStrategy, PipelineExecutor):
         self.precision_plugin = with_global_norm_clipping(
             self.precision_plugin, lambda: self._require_units().grad_norm_sq()
         )
-        self._units = FitUnits(self, trainer)
+        self._units = LightningLoop(self, trainer)
         if fitting:
             optimizers_to_device(self.optimizers, self.root_device)
         if self._admission is not None:
-            self._units.catch_up(self._admission.host_state)
+            self._units.catch_up(self._admission.loop_state)
         if fitting and self._agent is not None:
             assert self._store is not None
             # before the first exchange, just below
@@ -456,81 +438,14 @@ class OobleckStrategy(ParallelStrategy, PipelineExecutor):
             return None
         return getattr(loader, "batch_size", None)
 
-    def _plan(self, module: PipelineModule, num_layers: int, num_workers: int) -> Plan:
-        """The plan of this run: ``plan_path``, the planner's, or a hand-written ``layout`` with the planner's
-        templates for other node counts (so that it recovers in place), made by one worker."""
-        from lightning_oobleck.planning.planner import PlanningError, with_templates
-
-        cfg = self.config
-        plan = configured_plan(cfg, num_layers, num_workers)
-        if plan is None:
-            return self._planner_inputs(module, num_workers).make_plan(
-                cfg.global_batch_size, cfg.microbatch_size
-            )
-        if cfg.layout is None or cfg.fault_tolerance == 0:
-            return plan
-        if cfg.profile_path is None and getattr(module, "example_input_array", None) is None:
-            reason = "set example_input_array in your module's __init__ so that the strategy can profile it"
-        else:
-            try:
-                return with_templates(plan, self._planner_inputs(module, num_workers))
-            except PlanningError as e:
-                reason = f"the planner cannot plan this job ({e})"
-        warnings.warn(
-            f"the layout cannot recover in place after a failure (fault_tolerance={cfg.fault_tolerance}): "
-            f"it has no pipeline templates for other node counts; {reason}",
-            stacklevel=1,
-        )
-        return plan
+    def _planner(self, module: PipelineModule) -> JobPlanner:
+        """What makes this job's plan, on the worker that plans it."""
+        return JobPlanner(self.config, module, self.root_device, self.precision_plugin, self._profile_cache())
 
     def _profile_cache(self) -> Path:
         cfg = self.config
         return Path(
             cfg.profile_cache_dir or Path(self.lightning_module.trainer.default_root_dir) / PROFILE_CACHE
-        )
-
-    def _planner_inputs(self, module: PipelineModule, num_workers: int) -> planner.PlannerInputs:
-        """What the planner plans this job from: the layers' profile (measured, cached or loaded), the cluster
-        (``planner.cluster``, a dict of :class:`ClusterSpec` fields, with this run's nodes) and options."""
-        from lightning_oobleck.execution import profile_layers
-        from lightning_oobleck.planning import ClusterSpec
-        from lightning_oobleck.planning.planner import PlannerInputs
-        from lightning_oobleck.planning.profile import ModelProfile
-
-        cfg = self.config
-        if cfg.profile_path is not None:
-            profile = ModelProfile.load(cfg.profile_path)
-        else:
-            inputs, context = example_forward_args(module)
-            # Profiles depend on shapes only: one sample, repeated to a micro-batch, in the dtype the layers
-            # will see (the precision converts float inputs, e.g. float32 data under "64-true").
-            b = cfg.microbatch_size
-            inputs, context = self.precision_plugin.convert_input(
-                pytree.tree_map(lambda t: t[:1].expand(b, *t.shape[1:]).clone(), (inputs, context))
-            )
-            cache = self._profile_cache()
-            with self.precision_plugin.tensor_init_context():
-                profile = profile_layers(
-                    layer_source(module),
-                    inputs,
-                    self.root_device,
-                    seed=module.init_seed,
-                    cache_dir=cache,
-                    init=module.init_layer,
-                    example_context=context,
-                )
-        options = dict(cfg.planner)
-        cluster = ClusterSpec(**options.pop("cluster", {}))
-        cluster = replace(
-            cluster, num_nodes=num_workers // cfg.devices_per_node, gpus_per_node=cfg.devices_per_node
-        )
-        return PlannerInputs(
-            profile,
-            cluster,
-            cfg.fault_tolerance,
-            activation_checkpointing=cfg.activation_checkpointing,
-            schedule=cfg.schedule,
-            **options,
         )
 
     @override
@@ -545,9 +460,9 @@ class OobleckStrategy(ParallelStrategy, PipelineExecutor):
         # would interleave with the units) and its loop then stops the signalled rank alone; this one only
         # records the signal: the next commit shares it, and every worker stops at the same batch.
         signal.signal(signal.SIGTERM, self._require_units().record_sigterm)
-        recovery = self._require_units().recovery
-        if recovery is not None:  # after a checkpoint restore: count steps as Lightning does
-            recovery.start_at(self.lightning_module.trainer.global_step)
+        runner = self._require_units().runner
+        if runner is not None:  # after a checkpoint restore: count steps as Lightning does
+            runner.start_at(self.lightning_module.trainer.global_step)
         if rank_zero_only.rank == 0 and self._admission is None:  # (trainer.log_dir would be a collective)
             profiles = self._profile_cache()
             print_start(self.plan, self.recovery_events, profiles if profiles.is_dir() else None)
@@ -574,7 +489,7 @@ class OobleckStrategy(ParallelStrategy, PipelineExecutor):
     @override
     def teardown(self) -> None:
         if self._groups is not None:
-            self._groups.destroy()
+            self._require_groups().destroy()
             self._groups = None
         self._agent = None  # the process keeps it for its next run (close_process_agent at its end)
         self._engine = None
@@ -853,12 +768,16 @@ class OobleckStrategy(ParallelStrategy, PipelineExecutor):
                         "an optimizer holds a parameter outside self.layers"
                     )
 
-    def _require_units(self) -> FitUnits:
+    def _require_units(self) -> LightningLoop:
         if self._units is None:
             raise RuntimeError("the oobleck strategy exchanges with its peers only after its setup()")
         return self._units
 
     def _require_groups(self) -> ProcessGroups:
+        """The groups of the generation this process runs: the engine's once it exists (a recovery switches
+        it to the next generation's), before that the first generation's."""
+        if self._engine is not None:
+            return self._engine.groups
         if self._groups is None:
             raise RuntimeError("the process groups exist only after the strategy's setup_environment()")
         return self._groups

@@ -1,16 +1,17 @@
 """Every exchange of the oobleck strategy with its peers, as a recoverable unit of the fit.
 
-:class:`~lightning_oobleck.lightning.OobleckStrategy` runs each of these through :class:`FitUnits`: a
+:class:`~lightning_oobleck.lightning.OobleckStrategy` runs each of these through :class:`LightningLoop`: a
 training step (pipeline, gradient sync and commit), an evaluation step (validation, sanity check, test),
 the reduces, broadcasts, barriers and all-gathers it serves to Lightning (``self.log(..., sync_dist=True)``,
 callbacks), a checkpoint save, and the barrier that ends the fit. Lightning's per-batch SIGTERM flag rides
 on the training step's commit. Under
-in-process recovery each is a unit of :class:`~lightning_oobleck.recovery.runtime.Recovery`: a peer lost
+in-process recovery each is a unit of :class:`~lightning_oobleck.recovery.unit_runner.UnitRunner`: a peer lost
 anywhere in it is recovered from in place and the unit is redone on the new pipelines (or, where other
 survivors completed it, its result adopted), so training continues in the same ``fit``. Without a
 coordinator (a ``validate``/``test`` call) the same units run once.
 
-:class:`FitUnits` is also the recovery's host (:class:`~lightning_oobleck.recovery.runtime.RecoveryHost`):
+:class:`LightningLoop` is also the unit runner's training loop
+(:class:`~lightning_oobleck.recovery.unit_runner.TrainingLoop`):
 it rebuilds the optimizer's parameter groups with ``configure_optimizers`` for new layers, takes the
 survivors' checkpoint metadata from Lightning, and after a switch points the strategy, the data samplers
 and the loggers at the new layout.
@@ -41,6 +42,7 @@ from lightning.pytorch.utilities.model_helpers import is_overridden
 from lightning.pytorch.utilities.rank_zero import rank_zero_only
 from torch import Tensor
 
+from lightning_oobleck.execution import faults
 from lightning_oobleck.execution.checkpoint import (
     commit,
     layer_writers,
@@ -51,7 +53,7 @@ from lightning_oobleck.execution.checkpoint import (
     write_metadata,
     write_shard,
 )
-from lightning_oobleck.execution.engine import PipelineEngine
+from lightning_oobleck.execution.engine import PipelineEngine, StepResult
 from lightning_oobleck.execution.process_groups import backend_for
 from lightning_oobleck.execution.stage import StageModule
 from lightning_oobleck.lightning._internals import (
@@ -66,10 +68,12 @@ from lightning_oobleck.lightning._internals import (
 from lightning_oobleck.lightning.console import counted
 from lightning_oobleck.lightning.data import DataPosition, PipelineDataLoader
 from lightning_oobleck.lightning.module import batch_parts, layer_source, meta_layers
+from lightning_oobleck.recovery.admission import JoinPolicy
 from lightning_oobleck.recovery.agent import WorkerAgent
 from lightning_oobleck.recovery.events import EventLog, RecoveryEvent
+from lightning_oobleck.recovery.joiner import Admission
 from lightning_oobleck.recovery.protocol import node_name
-from lightning_oobleck.recovery.runtime import Admission, JoinPolicy, Recovery, Unit
+from lightning_oobleck.recovery.unit_runner import Unit, UnitRunner
 
 if TYPE_CHECKING:
     from lightning_oobleck.lightning.module import PipelineModule
@@ -90,6 +94,8 @@ def host_key(node: int) -> str:
 
 
 """The recovery and step records of a run, in the trainer's log directory (``oobleck timeline``)."""
+SIGTERM = "sigterm"
+"""The name under which a step's commit carries the workers that had received SIGTERM."""
 
 _REDUCE_OPS = {
     "sum": dist.ReduceOp.SUM,
@@ -101,16 +107,16 @@ _REDUCE_OPS = {
 }
 
 
-class FitUnits:
+class LightningLoop:
     """The strategy's exchanges with its peers (see the module docstring), recoverable once
     :meth:`enable_recovery` was called. ``trainer`` is the running Trainer."""
 
     def __init__(self, strategy: OobleckStrategy, trainer: Trainer) -> None:
         self.strategy = strategy
         self.trainer = trainer
-        self.committed: list[float] = [0.0, 0.0, 0.0]
-        """The last training step's ``[global squared gradient norm, global mean loss, workers that had
-        received SIGTERM]``."""
+        self.committed = StepResult(0.0, 0.0, {SIGTERM: 0.0})
+        """The last training step's commit; its sum :data:`SIGTERM` counts the workers that had received
+        SIGTERM."""
         module = trainer.lightning_module
         self.clips_by_norm = is_overridden("configure_gradient_clipping", module, LightningModule) or (
             bool(trainer.gradient_clip_val) and trainer.gradient_clip_algorithm in (None, "norm")
@@ -119,7 +125,7 @@ class FitUnits:
         step's commit compute the gradient norm."""
         self._step_started = time.time()
         self._sigterm = False
-        self.recovery: Recovery | None = None
+        self.runner: UnitRunner | None = None
         self.events: EventLog | None = None
         self._validation_data_ready = False
         self.catching_up = False
@@ -134,7 +140,7 @@ class FitUnits:
         strategy, trainer = self.strategy, self.trainer
         engine = strategy.engine
         config = strategy.config
-        self.recovery = Recovery(
+        self.runner = UnitRunner(
             agent,
             store,
             engine,
@@ -156,7 +162,7 @@ class FitUnits:
         # This fit's rank 0 at its start begins the file: a run never appends to an earlier job's records.
         first_writer = admission is None and engine.groups.rank == 0
         self.events = EventLog(root / EVENTS_FILE, logger=trainer.logger, new=first_writer)
-        self.recovery.log_events(self.events)
+        self.runner.log_events(self.events)
 
     @property
     def engine(self) -> PipelineEngine:
@@ -171,7 +177,7 @@ class FitUnits:
                 "step and cannot answer. Run collectives of a fit's start in setup() or from the first "
                 "training batch on"
             )
-        return self.recovery.run(unit) if self.recovery is not None else unit(self.engine)
+        return self.runner.run(unit) if self.runner is not None else unit(self.engine)
 
     def catch_up(self, handover: dict[str, Any]) -> None:
         """This joiner resumes the fit where the members stand, as from a checkpoint they took at the start
@@ -197,31 +203,32 @@ class FitUnits:
         """Pipeline step and commit of training batch ``position``; returns the global mean loss."""
         self._step_started = time.time()
 
-        recovery = self.recovery
+        runner = self.runner
         if self.catching_up:
             self._finish_catching_up()
+        faults.step_starts(self.engine.groups.worker, self.trainer.global_step)
 
-        def step(engine: PipelineEngine) -> list[float]:
+        def step(engine: PipelineEngine) -> StepResult:
             engine.module.zero_grad(set_to_none=True)
             current = self._current(batch, self.trainer.train_dataloader, position, 0)
             loss = engine.train_step(*batch_parts(module, current))
-            extra, norm = (float(self._sigterm),), self.clips_by_norm
-            if recovery is None:
-                return engine.commit(loss, extra, grad_norm=norm)
-            return recovery.commit(engine, loss, extra, grad_norm=norm)
+            shared, norm = {SIGTERM: float(self._sigterm)}, self.clips_by_norm
+            if runner is None:
+                return engine.commit(loss, shared, grad_norm=norm)
+            return runner.commit(engine, loss, shared, grad_norm=norm)
 
-        self.committed = recovery.step(step) if recovery is not None else step(self.engine)
-        return torch.tensor(self.committed[1], device=self.engine.device)
+        self.committed = runner.step(step) if runner is not None else step(self.engine)
+        return torch.tensor(self.committed.loss, device=self.engine.device)
 
     def grad_norm_sq(self) -> float:
         """The squared gradient norm of the whole model for the step being applied (for clipping by norm)."""
-        if math.isnan(self.committed[0]):
+        if math.isnan(self.committed.grad_norm_sq):
             raise RuntimeError(
                 "gradients were clipped by norm outside `configure_gradient_clipping`, so the step did not "
                 "compute the model's gradient norm: clip with Trainer(gradient_clip_val=...) or in your "
                 "LightningModule's `configure_gradient_clipping`"
             )
-        return self.committed[0]
+        return self.committed.grad_norm_sq
 
     def eval_step(self, module: PipelineModule, batch: Any, batch_idx: int, dataloader_idx: int) -> Tensor:
         """Forward-only pipelines over evaluation batch ``batch_idx``; the global mean loss."""
@@ -252,21 +259,21 @@ class FitUnits:
     def optimizer_step(self, update: Callable[[], T]) -> T:
         """Lightning's update of the batch (``update()``); counted, and recorded in the events file."""
         output = update()
-        if self.recovery is not None:
-            self.recovery.advance()
+        if self.runner is not None:
+            self.runner.advance()
             if self.engine.groups.rank == 0 and self.events is not None:
                 self.events.step(
-                    self.recovery.ledger.steps,
-                    self.recovery.plan.global_batch_size,
+                    self.runner.progress.steps,
+                    self.runner.plan.global_batch_size,
                     time.time() - self._step_started,
-                    self.recovery.generation,
+                    self.runner.generation,
                 )
         return output
 
     def finish(self) -> None:
         """The fit's last unit: every worker completed every step when it completes anywhere."""
-        if self.recovery is not None:
-            self.recovery.finish()
+        if self.runner is not None:
+            self.runner.finish()
 
     # ------------------------------------------------------------------ collectives
     def all_reduce(self, tensor: Tensor, reduce_op: str | dist.ReduceOp.RedOpType = "sum") -> Tensor:
@@ -321,7 +328,7 @@ class FitUnits:
         """Lightning's per-batch SIGTERM check, without a collective of its own: if any worker had received
         SIGTERM by the last step's commit, which carries the flag, every worker (laggards included) ends the
         run's units together and raises ``SIGTERMException`` here, at the same batch."""
-        if self.committed[2] > 0:
+        if self.committed.sums[SIGTERM] > 0:
             mark_sigterm_received(self.trainer)
             self.finish()
             raise SIGTERMException()
@@ -345,6 +352,7 @@ class FitUnits:
                 shard_name(groups.worker),
                 lambda layer: writers[layer] == groups.worker,
             )
+            faults.reach(faults.FaultPoint.CHECKPOINT)
             if groups.rank == 0:
                 shards = {layer: shard_name(w) for layer, w in writers.items()}
                 write_metadata(partial, metadata, shards, tie_aliases(self.strategy.ties))
@@ -367,7 +375,7 @@ class FitUnits:
 
         self.run(save)
 
-    # ------------------------------------------------------------------ the recovery's host
+    # ------------------------------------------------------------------ the unit runner's training loop
     def build_optimizer(self, module: StageModule) -> torch.optim.Optimizer:
         optimizer = build_optimizer(self.strategy.lightning_module, module)
         check_tied_parameter_groups(self.strategy.lightning_module, optimizer, module)
@@ -393,12 +401,11 @@ class FitUnits:
             "validation_data_ready": validation_data_ready(self.trainer),
         }
 
-    def switched(self, recovery: Recovery, event: RecoveryEvent) -> None:
+    def switched(self, runner: UnitRunner, event: RecoveryEvent) -> None:
         """Point the strategy, Lightning's rank, the data and the loggers at the new layout."""
         strategy = self.strategy
-        groups = recovery.engine.groups
+        groups = runner.engine.groups
         was_rank_zero = rank_zero_only.rank == 0
-        strategy._groups = groups
         environment = strategy._environment()
         environment.set_global_rank(groups.rank)
         environment.set_world_size(groups.world_size)
@@ -414,7 +421,7 @@ class FitUnits:
         layout = f"{pipelines} on {len(plan.nodes)} nodes, f={plan.fault_tolerance}"
         if lost := sorted({node for node, _ in event.removed}):
             rank_zero_info(
-                f"oobleck: node(s) {self._named(lost)} lost at step {recovery.ledger.steps} "
+                f"oobleck: node(s) {self._named(lost)} lost at step {runner.progress.steps} "
                 f"[{event.cause}]; training goes on: {layout}, recovered in "
                 f"{event.durations().get('total', 0.0):.2f} s"
             )
@@ -422,7 +429,7 @@ class FitUnits:
             rank_zero_info(f"oobleck: warning: {warning}")
         if joined := sorted({node for node, _ in event.added}):
             nodes = self._named(joined)
-            rank_zero_info(f"oobleck: node(s) {nodes} joined at step {recovery.ledger.steps}: {layout}")
+            rank_zero_info(f"oobleck: node(s) {nodes} joined at step {runner.progress.steps}: {layout}")
 
     def _named(self, nodes: list[int]) -> str:
         """``1 (gpu-17), 3 (gpu-22)``: node ids with the hosts their workers reported, where that is not this

@@ -23,6 +23,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from lightning_oobleck.worker import Worker
+
 
 @dataclass(frozen=True)
 class Stage:
@@ -117,10 +119,10 @@ class Pipeline:
     def stages(self) -> tuple[Stage, ...]:
         return self.template.stages
 
-    def worker_of_stage(self, stage: int) -> tuple[int, int]:
+    def worker_of_stage(self, stage: int) -> Worker:
         """The ``(node, device)`` worker that runs stage ``stage`` of this pipeline."""
         s = self.template.stages[stage]
-        return self.nodes[s.node], s.device
+        return Worker(self.nodes[s.node], s.device)
 
     def iteration_time_s(self) -> float:
         return self.template.iteration_time_s(self.microbatches)
@@ -182,9 +184,9 @@ class Plan:
         return tuple(sorted(n for p in self.pipelines for n in p.nodes))
 
     @property
-    def workers(self) -> tuple[tuple[int, int], ...]:
+    def workers(self) -> tuple[Worker, ...]:
         """All ``(node, device)`` workers, sorted: the rank order of a process group for this plan."""
-        return tuple((n, d) for n in self.nodes for d in range(self.gpus_per_node))
+        return tuple(Worker(n, d) for n in self.nodes for d in range(self.gpus_per_node))
 
     def microbatch_range(self, pipeline: int) -> range:
         """Global micro-batch indices given to ``pipeline`` (consecutive, in pipeline order).
@@ -208,11 +210,11 @@ class Plan:
                     return WorkerRole(pi, si, s.layers)
         raise KeyError(f"worker (node={node}, device={device}) has no stage in this plan")
 
-    def layer_owners(self, layer: int) -> tuple[tuple[int, int], ...]:
+    def layer_owners(self, layer: int) -> tuple[Worker, ...]:
         """The workers holding a replica of ``layer``, one per pipeline, in pipeline order."""
         return tuple(p.worker_of_stage(si) for p in self.pipelines for si in self._stages_of(p, layer))
 
-    def tie_owners(self, layers: Sequence[int]) -> tuple[tuple[int, int], ...]:
+    def tie_owners(self, layers: Sequence[int]) -> tuple[Worker, ...]:
         """The workers holding any of ``layers`` (a tie), in rank order."""
         return tuple(sorted({w for layer in layers for w in self.layer_owners(layer)}))
 

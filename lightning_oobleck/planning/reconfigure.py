@@ -36,8 +36,7 @@ from typing import Any
 from lightning_oobleck.planning.node_spec import max_parts, split_into
 from lightning_oobleck.planning.plan import LayerCopy, PipelineTemplate, Plan
 from lightning_oobleck.planning.planner import PlannerInputs, PlanningError, assemble_plan
-
-Worker = tuple[int, int]
+from lightning_oobleck.worker import Worker
 
 
 class ReconfigurationError(ValueError):

@@ -34,8 +34,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from enum import Enum
 
-Worker = tuple[int, int]
-"""A ``(node, device)`` worker, as in :class:`~lightning_oobleck.planning.plan.Plan`."""
+from lightning_oobleck.worker import Worker
 
 SCHEDULE_NAMES = ("1f1b", "zb-h1")
 """The schedules a plan may name."""

@@ -11,7 +11,8 @@ from lightning_oobleck.recovery.agent import (
 )
 from lightning_oobleck.recovery.coordinator import Coordinator, Death
 from lightning_oobleck.recovery.events import PHASES, EventLog, RecoveryEvent, read_events
-from lightning_oobleck.recovery.protocol import ADDRESS_ENV, FENCED_EXIT_CODE, Membership, Worker
+from lightning_oobleck.recovery.protocol import ADDRESS_ENV, FENCED_EXIT_CODE, Membership
+from lightning_oobleck.worker import Worker
 
 __all__ = [
     "ADDRESS_ENV",

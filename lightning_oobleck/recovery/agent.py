@@ -48,11 +48,11 @@ from lightning_oobleck.recovery.protocol import (
     LineReader,
     Membership,
     Timeouts,
-    Worker,
     encode,
     node_name,
     parse_address,
 )
+from lightning_oobleck.worker import Worker
 
 
 class RecoveryError(RuntimeError):
@@ -346,11 +346,6 @@ class WorkerAgent:
             assert self._announced is not None
             return self._announced.generation > generation
 
-    def report_suspect(self, worker: tuple[int, int], reason: str = "") -> None:
-        """Hint from a communication error: ``worker`` looks dead. The coordinator checks and decides."""
-        suspect = Worker(*worker)
-        self._send_or_lose("suspect", node=suspect.node, device=suspect.device, reason=reason)
-
     # ------------------------------------------------------------------ internals
 
     def _drop_inherited_connection(self) -> None:
@@ -470,7 +465,7 @@ class WorkerAgent:
 _process_agent: WorkerAgent | None = None
 
 
-def process_agent(worker: tuple[int, int], **kwargs: Any) -> WorkerAgent:
+def process_agent(worker: Worker, **kwargs: Any) -> WorkerAgent:
     """This process's agent: started (``WorkerAgent(worker, **kwargs).start()``) on first use and kept for
     every later run of the process (``fit``, then ``validate``...): a worker registers once, and its
     membership carries over from one run to the next. It leaves (``close_process_agent``) when the process
@@ -512,7 +507,7 @@ def close_process_agent(finished: bool = True) -> None:
 _presence: socket.socket | None = None
 
 
-def announce_presence(worker: tuple[int, int], address: str | None = None, secret: str | None = None) -> bool:
+def announce_presence(worker: Worker, address: str | None = None, secret: str | None = None) -> bool:
     """Tell the coordinator, before anything slow runs (imports, loading data), that this process is
     ``worker``, on a connection kept open for the process's life: if the process ends before its agent
     registers, the coordinator sees that connection end and starts without it instead of waiting for it.

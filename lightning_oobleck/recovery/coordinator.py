@@ -34,8 +34,17 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from lightning_oobleck.recovery.membership import Close, Death, Effect, Kill, MembershipMachine, Send
-from lightning_oobleck.recovery.protocol import SECRET_ENV, LineReader, Membership, Worker, encode
+from lightning_oobleck.recovery.membership import (
+    Close,
+    Death,
+    Effect,
+    Kill,
+    MembershipMachine,
+    MembershipSettings,
+    Send,
+)
+from lightning_oobleck.recovery.protocol import SECRET_ENV, LineReader, Membership, encode
+from lightning_oobleck.worker import Worker
 
 log = logging.getLogger(__name__)
 
@@ -56,9 +65,9 @@ class Coordinator:
     """Failure detector, membership authority and fence for one training run.
 
     ``Coordinator(world_size).start()`` serves in a daemon thread; ``stop()`` ends it. All public
-    attributes may be read from any thread. ``secret``: workers must present it to register (``None``: no
-    secret, for trusted test setups only); ``allow_joins``: whether a worker may register after
-    generation 0; ``devices_per_node``: the processes of a node, which fail together.
+    attributes may be read from any thread. ``settings``: the failure detector's timeouts, joins, the
+    processes of a node (:class:`~lightning_oobleck.recovery.membership.MembershipSettings`); ``secret``:
+    workers must present it to register (``None``: no secret, for trusted test setups only).
     """
 
     def __init__(
@@ -67,24 +76,14 @@ class Coordinator:
         host: str = "0.0.0.0",
         port: int = 0,
         *,
-        heartbeat_timeout: float = 2.0,
-        settle_s: float = 0.1,
-        agreement_timeout: float = 30.0,
+        settings: MembershipSettings | None = None,
         advertise_host: str | None = None,
-        kill_fenced: bool = False,
         secret: str | None = None,
-        allow_joins: bool = True,
-        devices_per_node: int = 1,
     ) -> None:
         self.machine = MembershipMachine(
             world_size,
-            heartbeat_timeout=heartbeat_timeout,
-            settle_s=settle_s,
-            agreement_timeout=agreement_timeout,
+            settings,
             secret=secret,
-            allow_joins=allow_joins,
-            devices_per_node=devices_per_node,
-            kill_fenced=kill_fenced,
             host=socket.gethostname(),
             wall_offset=time.time() - time.monotonic(),
         )
@@ -117,23 +116,23 @@ class Coordinator:
 
     @property
     def heartbeat_timeout(self) -> float:
-        return self.machine.heartbeat_timeout
+        return self.machine.settings.heartbeat_timeout
 
     @property
     def allow_joins(self) -> bool:
-        return self.machine.allow_joins
+        return self.machine.settings.allow_joins
 
     @property
     def settle_s(self) -> float:
-        return self.machine.settle_s
+        return self.machine.settings.settle_s
 
     @property
     def heartbeat_interval(self) -> float:
-        return self.machine.heartbeat_interval
+        return self.machine.settings.heartbeat_interval
 
     @property
     def agreement_timeout(self) -> float:
-        return self.machine.agreement_timeout
+        return self.machine.settings.agreement_timeout
 
     def start(self) -> Coordinator:
         """Serve in a daemon thread (for the local launcher's supervisor)."""
@@ -408,15 +407,18 @@ def main(argv: list[str] | None = None) -> int:
     )
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s oobleck-coordinator %(message)s")
+    settings = MembershipSettings(
+        heartbeat_timeout=args.heartbeat_timeout,
+        settle_s=args.settle,
+        agreement_timeout=args.agreement_timeout,
+        kill_fenced=args.kill_fenced,
+    )
     with Coordinator(
         args.world_size,
         args.host,
         args.port,
-        heartbeat_timeout=args.heartbeat_timeout,
-        settle_s=args.settle,
-        agreement_timeout=args.agreement_timeout,
+        settings=settings,
         advertise_host=args.advertise_host,
-        kill_fenced=args.kill_fenced,
         secret=os.environ.get(SECRET_ENV) or None,
     ) as coordinator:
         log.info("listening on %s for %d workers", coordinator.address, args.world_size)

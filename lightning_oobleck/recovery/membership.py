@@ -58,6 +58,21 @@ agreement       -                       live members not        -               
 timer                                   ready are deaths
 ==============  ======================  ======================  ====================  =====================
 
+The messages a phase handles (:data:`DISPATCH`, checked against this table by the tests); a message not
+listed in a phase is ignored, and an unknown one logged:
+
+===========  ========  ========  =======  ========
+message      STARTING  AGREEING  RUNNING  SETTLING
+===========  ========  ========  =======  ========
+register     yes       yes       yes      yes
+present      yes       yes       yes      yes
+heartbeat    yes       yes       yes      yes
+suspect      yes       yes       yes      yes
+ready        -         yes       yes      yes
+admit        -         yes       yes      yes
+leave        -         yes       yes      yes
+===========  ========  ========  =======  ========
+
 A joiner is admitted only at a step boundary, when a member asks (``admit``), so that it never disturbs a
 step in progress; a node is admitted once all its ``devices_per_node`` processes are pending. A joiner may
 register without a node id (``node_key``: a name for its node, e.g. the host and the job): the
@@ -81,10 +96,12 @@ import dataclasses
 import enum
 import hmac
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from lightning_oobleck.recovery.protocol import Membership, Timeouts, Worker
+from lightning_oobleck.recovery.protocol import Membership, Timeouts
+from lightning_oobleck.worker import Worker
 
 log = logging.getLogger(__name__)
 
@@ -100,6 +117,43 @@ class Phase(enum.Enum):
     """A change (death, join) was seen: the next generation is announced when the settle window ends."""
     DONE = "done"
     """No worker is left."""
+
+
+@dataclass(frozen=True)
+class MembershipSettings:
+    """The coordinator's settings, one object from the command line or the launcher to the machine.
+
+    The first worker to register brings the job's ``heartbeat_timeout`` and ``agreement_timeout`` (its
+    strategy's); they replace these, and a worker configured otherwise is refused."""
+
+    heartbeat_timeout: float = 2.0
+    """Silence after which a registered worker is declared dead."""
+    settle_s: float = 0.1
+    """How long the next generation waits after a silence, to fold concurrent failures into it."""
+    agreement_timeout: float = 30.0
+    """How long a live member may take to reach a generation's agreement barrier."""
+    allow_joins: bool = True
+    """Whether a worker may register after generation 0 (a joiner)."""
+    devices_per_node: int = 1
+    """The processes of a node, which fail together."""
+    kill_fenced: bool = False
+    """Also kill fenced workers that registered from this host (one machine: the local launcher)."""
+
+    def __post_init__(self) -> None:
+        if self.heartbeat_timeout <= 0 or self.settle_s < 0 or self.agreement_timeout <= 0:
+            raise ValueError("heartbeat_timeout and agreement_timeout must be > 0 and settle_s >= 0")
+        if self.devices_per_node < 1:
+            raise ValueError(f"devices_per_node must be >= 1, got {self.devices_per_node}")
+
+    @property
+    def heartbeat_interval(self) -> float:
+        """How often a worker sends a heartbeat: four within the timeout."""
+        return self.heartbeat_timeout / 4
+
+    @property
+    def registration_timeout(self) -> float:
+        """How long a new connection may take to register."""
+        return max(10.0, 5 * self.heartbeat_timeout)
 
 
 @dataclass(frozen=True)
@@ -168,33 +222,19 @@ class MembershipMachine:
     def __init__(
         self,
         world_size: int,
+        settings: MembershipSettings | None = None,
         *,
-        heartbeat_timeout: float = 2.0,
-        settle_s: float = 0.1,
-        agreement_timeout: float = 30.0,
         secret: str | None = None,
-        allow_joins: bool = True,
-        devices_per_node: int = 1,
-        kill_fenced: bool = False,
         host: str = "",
         wall_offset: float = 0.0,
     ) -> None:
         if world_size < 1:
             raise ValueError(f"world_size must be >= 1 (the number of worker processes), got {world_size}")
-        if heartbeat_timeout <= 0 or settle_s < 0 or agreement_timeout <= 0:
-            raise ValueError("heartbeat_timeout and agreement_timeout must be > 0 and settle_s >= 0")
         self.world_size = world_size
-        self.heartbeat_timeout = heartbeat_timeout
-        self.heartbeat_interval = heartbeat_timeout / 4
-        self.settle_s = settle_s
-        self.agreement_timeout = agreement_timeout
+        self.settings = settings or MembershipSettings()
         self.secret = secret
-        self.allow_joins = allow_joins
-        self.devices_per_node = devices_per_node
-        self.kill_fenced = kill_fenced
         self.host = host
         self.wall_offset = wall_offset
-        self.registration_timeout = max(10.0, 5 * heartbeat_timeout)
 
         self.history: list[Membership] = []
         """Every announced generation, oldest first (``agreed_at`` set on those agreed)."""
@@ -221,18 +261,14 @@ class MembershipMachine:
         self._node_ids: dict[str, int] = {}
         self._told_pending = 0
         self._out: list[Effect] = []
+        self._phase = Phase.STARTING
 
     # ------------------------------------------------------------------ state
 
     @property
     def phase(self) -> Phase:
-        if self.done:
-            return Phase.DONE
-        if self._current is None:
-            return Phase.STARTING
-        if self._change_at is not None:
-            return Phase.SETTLING
-        return Phase.RUNNING if self._current.agreed_at is not None else Phase.AGREEING
+        """The phase the job is in (stored at each transition; ``DONE`` once no worker is left)."""
+        return Phase.DONE if self.done else self._phase
 
     @property
     def current(self) -> Membership | None:
@@ -254,7 +290,7 @@ class MembershipMachine:
         """Joiners registered and alive, not yet admitted, of nodes whose every process registered."""
         waiting = [w for w in self._alive if w not in self._admitted]
         nodes = {w.node for w in waiting}
-        whole = {n for n in nodes if sum(w.node == n for w in self._alive) >= self.devices_per_node}
+        whole = {n for n in nodes if sum(w.node == n for w in self._alive) >= self.settings.devices_per_node}
         return tuple(sorted(w for w in waiting if w.node in whole))
 
     def next_deadline(self) -> float | None:
@@ -267,7 +303,7 @@ class MembershipMachine:
 
     def connected(self, conn: int, now: float) -> list[Effect]:
         """A client connected; it must register within ``registration_timeout``."""
-        self._peers[conn] = _Peer(conn, deadline=now + self.registration_timeout)
+        self._peers[conn] = _Peer(conn, deadline=now + self.settings.registration_timeout)
         return self._effects()
 
     def received(self, conn: int, msg: dict[str, Any], now: float) -> list[Effect]:
@@ -278,7 +314,10 @@ class MembershipMachine:
         peer.last_heard = now
         peer.suspicion = None
         if peer.present is None:
-            peer.deadline = now + (self.heartbeat_timeout if peer.worker else self.registration_timeout)
+            settings = self.settings
+            peer.deadline = now + (
+                settings.heartbeat_timeout if peer.worker else settings.registration_timeout
+            )
         try:
             self._handle(peer, msg, now)
         except (AttributeError, KeyError, TypeError, ValueError) as e:
@@ -313,18 +352,16 @@ class MembershipMachine:
             if peer.closed or peer.present is not None or peer.deadline > now:
                 continue
             if peer.worker is None:
-                log.warning(
-                    "closing a connection: it did not register within %.0f s", self.registration_timeout
-                )
+                timeout = self.settings.registration_timeout
+                log.warning("closing a connection: it did not register within %.0f s", timeout)
                 self._close(peer)
             elif peer.suspicion is not None:
                 silent = now - peer.last_heard
                 reason = f"suspected by a peer ({peer.suspicion}), silent for {silent:.1f} s"
                 self._declare_dead(peer.worker, reason, now)
             else:
-                self._declare_dead(
-                    peer.worker, f"sent nothing for {self.heartbeat_timeout:g} s (hung or stopped)", now
-                )
+                silence = f"sent nothing for {self.settings.heartbeat_timeout:g} s (hung or stopped)"
+                self._declare_dead(peer.worker, silence, now)
         if self._change_at is not None and now >= self._change_at:
             self._announce(now)
         if self._agree_deadline is not None and now >= self._agree_deadline and self._current is not None:
@@ -333,7 +370,7 @@ class MembershipMachine:
             for w in [w for w in current.workers if w in self._alive and w not in self._ready]:
                 reason = (
                     f"did not reach the agreement barrier of generation {current.generation} "
-                    f"within {self.agreement_timeout:g} s"
+                    f"within {self.settings.agreement_timeout:g} s"
                 )
                 self._declare_dead(w, reason, now)
         return self._effects()
@@ -341,26 +378,35 @@ class MembershipMachine:
     # ------------------------------------------------------------------ messages
 
     def _handle(self, peer: _Peer, msg: dict[str, Any], now: float) -> None:
-        op = msg.get("op")
-        if peer.worker is None:
-            if op == "register" and peer.present is None:
-                self._register(peer, msg, now)
-            elif op == "present" and peer.present is None:
-                self._present(peer, msg)
-            else:
-                self._refuse(peer, f"the first and only message must be 'register' or 'present', got {op!r}")
-        elif op == "heartbeat":
-            self._send(peer, "ack")
-        elif op == "ready":
-            self._ready_for(peer.worker, int(msg["generation"]), now)
-        elif op == "suspect":
-            self._suspect(Worker(int(msg["node"]), int(msg["device"])), str(msg.get("reason", "")), now)
-        elif op == "leave":
-            self._leave(peer, now)
-        elif op == "admit":
-            self._admit(peer, int(msg["generation"]), int(msg.get("nodes") or 1 << 30), now)
-        else:
+        op = str(msg.get("op"))
+        first = op in ("register", "present")
+        if peer.worker is None and (not first or peer.present is not None):
+            self._refuse(peer, f"the first and only message must be 'register' or 'present', got {op!r}")
+            return
+        handler = DISPATCH.get((self._phase, op))
+        if peer.worker is not None and (first or op not in MESSAGES):
             log.warning("ignoring unknown message %r from worker %s", op, tuple(peer.worker))
+        elif handler is not None:
+            handler(self, peer, msg, now)
+
+    def _on_heartbeat(self, peer: _Peer, msg: dict[str, Any], now: float) -> None:
+        self._send(peer, "ack")
+
+    def _on_ready(self, peer: _Peer, msg: dict[str, Any], now: float) -> None:
+        assert peer.worker is not None
+        self._ready_for(peer.worker, int(msg["generation"]), now)
+
+    def _on_suspect(self, peer: _Peer, msg: dict[str, Any], now: float) -> None:
+        self._suspect(Worker(int(msg["node"]), int(msg["device"])), str(msg.get("reason", "")), now)
+
+    def _on_leave(self, peer: _Peer, msg: dict[str, Any], now: float) -> None:
+        self._leave(peer, now)
+
+    def _on_admit(self, peer: _Peer, msg: dict[str, Any], now: float) -> None:
+        self._admit(peer, int(msg["generation"]), int(msg.get("nodes") or 1 << 30), now)
+
+    def _on_present(self, peer: _Peer, msg: dict[str, Any], now: float) -> None:
+        self._present(peer, msg)
 
     def _authentic(self, peer: _Peer, msg: dict[str, Any]) -> bool:
         if self.secret is not None and not hmac.compare_digest(str(msg.get("secret", "")), self.secret):
@@ -386,7 +432,7 @@ class MembershipMachine:
         if node is None:
             node = self._node_ids.setdefault(str(msg["node_key"]), self._fresh_node_id())
         worker = Worker(int(node), int(msg["device"]))
-        if self._current is not None and not self.allow_joins:
+        if self._current is not None and not self.settings.allow_joins:
             self._refuse(
                 peer,
                 f"worker {tuple(worker)} registered after the training started: this run does not admit new "
@@ -415,14 +461,14 @@ class MembershipMachine:
         peer.worker, peer.pid, peer.host = worker, msg.get("pid"), msg.get("host")
         if msg.get("name"):
             self._names[worker] = str(msg["name"])
-        peer.deadline = now + self.heartbeat_timeout
+        peer.deadline = now + self.settings.heartbeat_timeout
         self._alive[worker] = peer
         self._send(
             peer,
             "welcome",
             node=worker.node,
-            heartbeat_interval=self.heartbeat_interval,
-            heartbeat_timeout=self.heartbeat_timeout,
+            heartbeat_interval=self.settings.heartbeat_interval,
+            heartbeat_timeout=self.settings.heartbeat_timeout,
         )
         log.info("%s registered (pid %s)", self._who(worker), peer.pid)
         if self._current is None:
@@ -436,7 +482,7 @@ class MembershipMachine:
         """A node id that no worker of the job ever had (a node that comes back is a new node)."""
         used = {w.node for w in self._alive} | set(self._dead_nodes) | {w.node for w in self._admitted}
         used |= {w.node for w in self._lost_before_start} | set(self._node_ids.values())
-        used |= set(range(self.world_size // self.devices_per_node))
+        used |= set(range(self.world_size // self.settings.devices_per_node))
         return max(used, default=-1) + 1
 
     def _admit(self, peer: _Peer, generation: int, nodes: int, now: float) -> None:
@@ -473,10 +519,12 @@ class MembershipMachine:
         wanted = Timeouts(float(msg["heartbeat_timeout"]), float(msg["agreement_timeout"]))
         if self._timeouts_from is None:
             self._timeouts_from = worker
-            self.heartbeat_timeout, self.agreement_timeout = wanted
-            self.heartbeat_interval = wanted.heartbeat_timeout / 4
+            heartbeat, agreement = wanted
+            self.settings = dataclasses.replace(
+                self.settings, heartbeat_timeout=heartbeat, agreement_timeout=agreement
+            )
             return None
-        current = Timeouts(self.heartbeat_timeout, self.agreement_timeout)
+        current = Timeouts(self.settings.heartbeat_timeout, self.settings.agreement_timeout)
         if wanted == current:
             return None
         return (
@@ -496,7 +544,7 @@ class MembershipMachine:
         if peer is not None:
             log.info("%s suspected by a peer (%s): checking its liveness", self._who(worker), reason)
             peer.suspicion = reason or "communication error"
-            peer.deadline = min(peer.deadline, now + 2 * self.heartbeat_interval)
+            peer.deadline = min(peer.deadline, now + 2 * self.settings.heartbeat_interval)
 
     def _leave(self, peer: _Peer, now: float) -> None:
         worker = peer.worker
@@ -553,7 +601,7 @@ class MembershipMachine:
             self.deaths.append(Death(w, why, at, generation))
             self._send(peer, "fenced", reason=why)
             if (
-                self.kill_fenced
+                self.settings.kill_fenced
                 and peer.pid
                 and peer.host == self.host
                 and not (peer.closed or peer.ended_by_peer)
@@ -562,13 +610,13 @@ class MembershipMachine:
             self._close(peer)
         self._tell_pending()
         if self._current is None:
-            self._lost_before_start |= {Worker(node, d) for d in range(self.devices_per_node)}
+            self._lost_before_start |= {Worker(node, d) for d in range(self.settings.devices_per_node)}
             self._lost_before_start |= {worker, *victims}
             self._maybe_start(now)
             return
         if not set(victims) & set(self._current.workers):
             return  # a pending joiner: nothing to change, nobody to abort
-        self._schedule_change(now, 0.0 if explained else self.settle_s)
+        self._schedule_change(now, 0.0 if explained else self.settings.settle_s)
         for member in self._current.workers:
             if member in self._alive:
                 self._send(
@@ -583,6 +631,7 @@ class MembershipMachine:
         if self._change_at is None:
             self._change_detected_at = now + self.wall_offset
         self._change_at = min(now + settle_s, self._change_at or float("inf"))
+        self._phase = Phase.SETTLING
 
     def _announce(self, now: float) -> None:
         """Publish the next generation: every live member, and the pending joiners when admitting, in rank
@@ -597,6 +646,7 @@ class MembershipMachine:
             removed, added = tuple(sorted(self._lost_before_start)), ()
         else:
             if not workers or workers == self._current.workers:
+                self._phase = Phase.RUNNING if self._current.agreed_at is not None else Phase.AGREEING
                 self._maybe_go(now)
                 return
             # Compared with what the workers run: the newest agreed generation (or everyone, at the start).
@@ -612,10 +662,11 @@ class MembershipMachine:
             generation, workers, removed, added, "; ".join(causes), detected_at=self._change_detected_at
         )
         self.history.append(self._current)
+        self._phase = Phase.AGREEING
         self._admitted |= set(workers)
         self._told_pending = -1
         self._ready = set()
-        self._agree_deadline = now + self.agreement_timeout
+        self._agree_deadline = now + self.settings.agreement_timeout
         log.info(
             "generation %d announced: %s (%s)", generation, [tuple(w) for w in workers], self._current.cause
         )
@@ -631,6 +682,7 @@ class MembershipMachine:
             return
         self._current = dataclasses.replace(current, agreed_at=now + self.wall_offset)
         self.history[-1] = self._current
+        self._phase = Phase.RUNNING
         self._agree_deadline = None
         log.info("generation %d agreed", current.generation)
         for w in current.workers:
@@ -669,3 +721,23 @@ class MembershipMachine:
     def _effects(self) -> list[Effect]:
         out, self._out = self._out, []
         return out
+
+
+Handler = Callable[[MembershipMachine, _Peer, dict[str, Any], float], None]
+_STARTED = (Phase.AGREEING, Phase.RUNNING, Phase.SETTLING)
+_ALWAYS = (Phase.STARTING, *_STARTED)
+_HANDLERS: dict[str, tuple[Handler, tuple[Phase, ...]]] = {
+    "register": (MembershipMachine._register, _ALWAYS),
+    "present": (MembershipMachine._on_present, _ALWAYS),
+    "heartbeat": (MembershipMachine._on_heartbeat, _ALWAYS),
+    "suspect": (MembershipMachine._on_suspect, _ALWAYS),
+    "ready": (MembershipMachine._on_ready, _STARTED),  # in RUNNING: stale, ignored once its fields parse
+    "admit": (MembershipMachine._on_admit, _STARTED),
+    "leave": (MembershipMachine._on_leave, _STARTED),
+}
+MESSAGES = frozenset(_HANDLERS)
+"""The messages a worker or a client may send (anything else is logged and ignored)."""
+DISPATCH: dict[tuple[Phase, str], Handler] = {
+    (phase, op): handler for op, (handler, phases) in _HANDLERS.items() for phase in phases
+}
+"""``(phase, message) -> handler``: the module's table of the messages each phase handles."""

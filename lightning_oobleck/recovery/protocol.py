@@ -54,6 +54,8 @@ import socket
 from dataclasses import dataclass
 from typing import Any, NamedTuple
 
+from lightning_oobleck.worker import Worker
+
 FENCED_EXIT_CODE = 86
 """Exit status of a worker process that its agent terminated because the coordinator fenced it."""
 
@@ -70,13 +72,6 @@ and its node index, a replacement's number); the coordinator gives the node id, 
 is a new node whatever its launch position says."""
 
 MAX_LINE_BYTES = 1 << 20
-
-
-class Worker(NamedTuple):
-    """One worker process: device ``device`` of node ``node`` (the node is the failure domain)."""
-
-    node: int
-    device: int
 
 
 class Timeouts(NamedTuple):

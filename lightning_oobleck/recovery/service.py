@@ -7,10 +7,13 @@ them, rank 0 included. Under SLURM the batch host plays that role instead (``coo
 from __future__ import annotations
 
 import secrets
+from dataclasses import replace
 from typing import TYPE_CHECKING
 
 from lightning_oobleck.recovery.coordinator import Coordinator
-from lightning_oobleck.recovery.protocol import ADDRESS_ENV, SECRET_ENV, Worker
+from lightning_oobleck.recovery.membership import MembershipSettings
+from lightning_oobleck.recovery.protocol import ADDRESS_ENV, SECRET_ENV
+from lightning_oobleck.worker import Worker
 
 if TYPE_CHECKING:
     from lightning_oobleck.lightning.launcher import Supervisor
@@ -23,24 +26,21 @@ class CoordinatorService:
     worker's peers then see its connections close at once.
     """
 
-    def __init__(
-        self, *, heartbeat_timeout: float = 2.0, settle_s: float = 0.1, agreement_timeout: float = 30.0
-    ) -> None:
-        self.heartbeat_timeout = heartbeat_timeout
-        self.settle_s = settle_s
-        self.agreement_timeout = agreement_timeout
+    def __init__(self, settings: MembershipSettings | None = None) -> None:
+        self.settings = settings or MembershipSettings()
         self.coordinator: Coordinator | None = None
 
     def start(self, supervisor: Supervisor) -> None:
+        settings = replace(
+            self.settings,
+            kill_fenced=True,  # every worker runs on this machine
+            devices_per_node=supervisor.devices_per_node,
+        )
         self.coordinator = Coordinator(
             supervisor.world_size,
             supervisor.host,
-            heartbeat_timeout=self.heartbeat_timeout,
-            settle_s=self.settle_s,
-            agreement_timeout=self.agreement_timeout,
-            kill_fenced=True,  # every worker runs on this machine
+            settings=settings,
             secret=secrets.token_hex(16),  # only processes the supervisor starts (replacements too) know it
-            devices_per_node=supervisor.devices_per_node,
         ).start()
         supervisor.worker_env[ADDRESS_ENV] = self.coordinator.address
         supervisor.worker_env[SECRET_ENV] = self.coordinator.secret
@@ -49,7 +49,9 @@ class CoordinatorService:
         """Tell the coordinator, which needs it for a worker that died before it registered."""
         if self.coordinator is not None:
             how = f"killed by signal {-exitcode}" if exitcode < 0 else f"exited with status {exitcode}"
-            per_node = self.coordinator.machine.devices_per_node  # the launcher numbers ranks node by node
+            per_node = (
+                self.coordinator.machine.settings.devices_per_node
+            )  # the launcher numbers ranks node by node
             worker = Worker(*divmod(rank, per_node))
             self.coordinator.worker_exited(worker, f"its process ended ({how}) before it registered")
 

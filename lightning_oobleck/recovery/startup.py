@@ -31,7 +31,7 @@ from lightning_oobleck.planning.plan import Plan
 from lightning_oobleck.planning.reconfigure import ReconfigurationError, after_failures
 from lightning_oobleck.recovery.agent import WorkerAgent
 from lightning_oobleck.recovery.protocol import Membership
-from lightning_oobleck.recovery.runtime import wait_for_members
+from lightning_oobleck.recovery.store import wait_for_members
 
 log = logging.getLogger(__name__)
 

@@ -27,14 +27,13 @@ from torch import Tensor
 from lightning_oobleck.execution.process_groups import ProcessGroups
 from lightning_oobleck.execution.stage import StageModule
 from lightning_oobleck.planning.plan import LayerCopy
+from lightning_oobleck.worker import Worker
 
 ParamState = dict[str, dict[str, Any]]
 """Optimizer state per parameter, keyed by the parameter's global name (``layers.<i>.<name>``)."""
 
 LayerBuilder = Callable[[Iterable[int]], StageModule]
 """Materialises the given layers (e.g. ``build_stage`` bound to the model, device, seed and dtype)."""
-
-Worker = tuple[int, int]
 
 
 def state_by_name(optimizer: torch.optim.Optimizer, module: StageModule) -> ParamState:
@@ -84,8 +83,8 @@ def _exchange(
 ) -> None:
     """Send ``sends[peer]`` to each peer and receive ``receives[peer]`` from each, as one batch; bounded and
     abortable like every wait of the generation."""
-    ops = [dist.P2POp(dist.isend, t, groups.rank_of(peer)) for peer, t in sends.items()]
-    ops += [dist.P2POp(dist.irecv, t, groups.rank_of(peer)) for peer, t in receives.items()]
+    ops = [dist.P2POp(dist.isend, t, groups.rank_of(peer), groups.world) for peer, t in sends.items()]
+    ops += [dist.P2POp(dist.irecv, t, groups.rank_of(peer), groups.world) for peer, t in receives.items()]
     if not ops:
         return
     with groups.waiter.issuing():

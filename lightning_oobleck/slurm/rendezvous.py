@@ -71,6 +71,7 @@ def serve(
     from torch.distributed import TCPStore
 
     from lightning_oobleck.recovery import ADDRESS_ENV, Coordinator
+    from lightning_oobleck.recovery.membership import MembershipSettings
     from lightning_oobleck.recovery.protocol import SECRET_ENV
 
     # The coordinator's registrations, deaths and generations go to this process's log (``--log``).
@@ -81,13 +82,14 @@ def serve(
     # Fenced workers on this host are SIGKILLed so that their gloo peers see them gone at once; tasks on
     # other hosts fence themselves.
     tasks_per_node = _env_int("SLURM_NTASKS_PER_NODE") or 1
+    settings = MembershipSettings(
+        heartbeat_timeout=heartbeat_timeout_s, devices_per_node=tasks_per_node, kill_fenced=True
+    )
     coordinator = Coordinator(
         world_size,
         bind or interface_of(host),
-        devices_per_node=tasks_per_node,
+        settings=settings,
         advertise_host=host,
-        heartbeat_timeout=heartbeat_timeout_s,
-        kill_fenced=True,
         secret=secrets.token_hex(16),  # joiners read it from the join file, readable by the user only
     ).start()
     assert coordinator.secret is not None

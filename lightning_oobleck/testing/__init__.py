@@ -1,5 +1,27 @@
-"""Utilities for tests and benchmarks of pipelines on machines without the devices they model."""
+"""Utilities for tests, benchmarks and drills: emulated devices (pipelines on machines without the devices
+they model) and the named fault points (make a worker crash, hang, fail or slow down at a chosen moment)."""
 
+from lightning_oobleck.execution.faults import (
+    FAULTS_ENV,
+    Fault,
+    FaultAction,
+    FaultPoint,
+    arm,
+    armed,
+    disarm,
+)
 from lightning_oobleck.testing.emulated import DeviceTimes, EmulatedLayer, emulated_layers, emulated_profile
 
-__all__ = ["DeviceTimes", "EmulatedLayer", "emulated_layers", "emulated_profile"]
+__all__ = [
+    "FAULTS_ENV",
+    "DeviceTimes",
+    "EmulatedLayer",
+    "Fault",
+    "FaultAction",
+    "FaultPoint",
+    "arm",
+    "armed",
+    "disarm",
+    "emulated_layers",
+    "emulated_profile",
+]

@@ -56,14 +56,14 @@ def run_step(
     _groups(store, state, rank)
     args = (torch.device("cpu"), state["waiter"], threading.Event())
     if rank == 0:
-        outbox = Outbox(1, *args, header=True)
+        outbox = Outbox(1, dist.group.WORLD, *args, header=True)
         for length in lengths:
             tree, spec = flatten(activation(length, leaves))
             outbox.send(tree, spec, [t.is_floating_point() and t.dim() == 3 for t in tree])
         sent = len(outbox._pending)
         outbox.wait()
         return sent, []
-    inbox = Inbox(0, len(lengths), *args, header=True)
+    inbox = Inbox(0, dist.group.WORLD, len(lengths), *args, header=True)
     received = []
     for _ in lengths:
         tree, metas = inbox.get()

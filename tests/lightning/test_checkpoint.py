@@ -22,13 +22,16 @@ from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint.metadata import BytesStorageMetadata
 
 from lightning_oobleck.execution.checkpoint import (
+    commit,
     layer_of,
+    layer_writers,
     load_metadata,
     load_sharded,
     load_sharded_model,
     load_sharded_optimizers,
-    lowest_pipeline_writes,
-    save_sharded,
+    partial_path,
+    write_metadata,
+    write_shard,
 )
 from lightning_oobleck.planning.plan import Pipeline, PipelineTemplate, Plan, Stage
 
@@ -125,25 +128,28 @@ def _rank_main(rank: int, fn, nprocs: int, rendezvous: Path, *args) -> None:
 
 def save_layout_a(rank: int, out: Path) -> None:
     shard, optimizer = reference(LAYOUT_A[rank], TRAIN_STEPS)
-    save_sharded(
-        out / "by-rule",
-        shard,
-        [optimizer],
-        METADATA,
-        is_writer_for_layer=lambda layer: writer_pipeline(layer) == PIPELINE_A[rank],
+    # The steps of the strategy's save (write, confirm, index, commit), with a collective of gloo's.
+    path, name = out / "by-rule", f"rank{rank}"
+    partial = partial_path(path, "test")
+    written = write_shard(
+        partial, shard, [optimizer], name, lambda layer: writer_pipeline(layer) == PIPELINE_A[rank]
     )
-    save_sharded(out / "every-holder", shard, [optimizer], METADATA)
+    everyone: list = [None] * dist.get_world_size()
+    dist.all_gather_object(everyone, (name, written))
+    if rank == 0:
+        write_metadata(partial, METADATA, {layer: shard for shard, layers in everyone for layer in layers})
+        commit(partial, path)
+    dist.barrier()
 
 
 def load_layout_b(rank: int, out: Path) -> None:
-    for name in ("by-rule", "every-holder"):
-        shard = Shard(LAYOUT_B[rank], seed=999)  # other initial weights, other learning rate
-        optimizer = make_optimizer(shard, lr=0.5)
-        load_sharded_model(out / name, shard)  # as the strategy does: weights first, optimizers after setup
-        load_sharded_optimizers(out / name, shard, [optimizer])
-        assert_same_state(shard, optimizer, TRAIN_STEPS)
-        train(shard, optimizer, 1, first_step=TRAIN_STEPS)  # the restored state trains on identically
-        assert_same_state(shard, optimizer, TRAIN_STEPS + 1)
+    shard = Shard(LAYOUT_B[rank], seed=999)  # other initial weights, other learning rate
+    optimizer = make_optimizer(shard, lr=0.5)
+    load_sharded_model(out / "by-rule", shard)  # as the strategy does: weights first, optimizers after setup
+    load_sharded_optimizers(out / "by-rule", shard, [optimizer])
+    assert_same_state(shard, optimizer, TRAIN_STEPS)
+    train(shard, optimizer, 1, first_step=TRAIN_STEPS)  # the restored state trains on identically
+    assert_same_state(shard, optimizer, TRAIN_STEPS + 1)
 
 
 def stored_files(path: Path) -> dict[str, set[str]]:
@@ -185,13 +191,6 @@ def test_each_layer_is_stored_once_by_its_writer(saved: Path):
     index = json.loads((saved / "by-rule" / "index.json").read_text())["layers"]
     assert index == {str(layer): f"rank{writers[layer][0]}" for layer in range(NUM_LAYERS)}
 
-    # Without a rule every holder writes its layers, and the index names the lowest rank's copy.
-    every_holder = stored_files(saved / "every-holder")
-    assert every_holder.keys() == files.keys()
-    index = json.loads((saved / "every-holder" / "index.json").read_text())["layers"]
-    assert index == {
-        str(layer): f"rank{min(r for r in range(4) if layer in LAYOUT_A[r])}" for layer in range(6)
-    }
     metadata = FileSystemReader(saved / "by-rule" / "shards" / "rank0").read_metadata()
     assert isinstance(
         metadata.state_dict_metadata["optim.param_groups.layers.0.bias.lr"], BytesStorageMetadata
@@ -207,12 +206,11 @@ def test_load_into_three_stages_on_three_processes(saved: Path, tmp_path: Path):
 
 @pytest.mark.timeout(60)
 def test_load_into_one_process_holding_every_layer(saved: Path):
-    for name in ("by-rule", "every-holder"):
-        shard = Shard(range(NUM_LAYERS), seed=999)
-        optimizer = make_optimizer(shard, lr=0.5)
-        assert load_sharded(saved / name, shard, [optimizer]) == METADATA
-        assert_same_state(shard, optimizer, TRAIN_STEPS)
-        assert load_metadata(saved / name) == METADATA
+    shard = Shard(range(NUM_LAYERS), seed=999)
+    optimizer = make_optimizer(shard, lr=0.5)
+    assert load_sharded(saved / "by-rule", shard, [optimizer]) == METADATA
+    assert_same_state(shard, optimizer, TRAIN_STEPS)
+    assert load_metadata(saved / "by-rule") == METADATA
 
 
 def test_not_a_checkpoint_is_a_clear_error(tmp_path: Path):
@@ -227,10 +225,11 @@ def _template(bounds: list[int]) -> PipelineTemplate:
     return PipelineTemplate(len(stages), 1, stages, (1.0,) * len(stages))
 
 
-def test_lowest_pipeline_writes_each_layer_exactly_once():
+def test_layer_writers_write_each_layer_exactly_once():
     one, three = _template([0, 6]), _template([0, 2, 3, 6])
     plan = Plan(6, 1, 1, 1, 1, 4, (one, three), (Pipeline(three, (0, 1, 2), 2), Pipeline(one, (3,), 2)))
-    written = {w: {i for i in range(6) if lowest_pipeline_writes(plan, w)(i)} for w in plan.workers}
+    writers = layer_writers(plan)
+    written = {w: {i for i, writer in writers.items() if writer == w} for w in plan.workers}
     assert written == {(0, 0): {0, 1}, (1, 0): {2}, (2, 0): {3, 4, 5}, (3, 0): set()}
 
 

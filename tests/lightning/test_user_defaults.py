@@ -26,8 +26,9 @@ from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_oobleck import OobleckStrategy, PipelineModule, consolidate_checkpoint
 from lightning_oobleck.lightning.callbacks import KillAt
-from lightning_oobleck.lightning.units import CheckpointError
+from lightning_oobleck.lightning.units import EVENTS_FILE, CheckpointError
 from lightning_oobleck.recovery.startup import PlanFailure
+from lightning_oobleck.testing import FAULTS_ENV, Fault, FaultPoint
 
 
 class Regressor(PipelineModule, L.LightningModule):
@@ -208,6 +209,24 @@ def test_a_hand_written_layout_keeps_its_fault_tolerance(
     monkeypatch.chdir(tmp_path)
     survived = fit(Regressor(), 8, layout=[[0, 1, 4], [0, 1, 4]], callbacks=[KillAt(0, 3)])
     assert_same_weights(survived, uninterrupted)
+
+
+@pytest.mark.timeout(240)
+def test_a_drill_armed_in_the_environment_is_survived(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, uninterrupted: dict[str, torch.Tensor]
+) -> None:
+    """As a user drills a job: ``OOBLECK_FAULTS`` set, the script unchanged. Node 1 dies in the backward
+    of step 3 and node 2 once the state copy of that recovery is done, before its switch barrier."""
+    monkeypatch.chdir(tmp_path)
+    drill = [
+        Fault(FaultPoint.BACKWARD, node=1, step=3).to_json(),
+        Fault(FaultPoint.SWITCH, node=2, step=3).to_json(),
+    ]
+    monkeypatch.setenv(FAULTS_ENV, json.dumps(drill))
+    assert_same_weights(fit(Regressor(), 8, devices=6, fault_tolerance=2), uninterrupted)
+    events = [json.loads(line) for line in next(tmp_path.rglob(EVENTS_FILE)).read_text().splitlines()]
+    removed = sorted(tuple(w) for e in events if e.get("kind") == "recovery" for w in e["removed"])
+    assert removed == [(1, 0), (2, 0)]
 
 
 class SavesToItsOwnPath(L.Callback):

@@ -21,6 +21,7 @@ from typing import Any
 from torch.distributed import TCPStore
 
 from lightning_oobleck.recovery import Coordinator, Membership, Worker
+from lightning_oobleck.recovery.membership import MembershipSettings
 
 WORKER_SCRIPT = Path(__file__).with_name("recovery_worker.py")
 
@@ -53,9 +54,9 @@ class Cluster:
         self.coordinator = Coordinator(
             len(workers),
             "127.0.0.1",
-            heartbeat_timeout=heartbeat_timeout,
-            settle_s=settle_s,
-            agreement_timeout=agreement_timeout,
+            settings=MembershipSettings(
+                heartbeat_timeout=heartbeat_timeout, settle_s=settle_s, agreement_timeout=agreement_timeout
+            ),
         ).start()
         self.store = TCPStore(
             "127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=30)

@@ -1,15 +1,16 @@
-"""A worker process for the in-process recovery tests: the tiny GPT in float64 under :class:`Recovery`.
+"""A worker process for the in-process recovery tests: the tiny GPT in float64 under :class:`UnitRunner`.
 
 It trains ``--steps`` AdamW steps (gradients clipped with the committed norm) on the plan ``--plan``,
 with a WorkerAgent of the test's coordinator and the test's TCPStore, and injects its own faults for
-real (``--fault``, repeatable):
+real (``--fault``, repeatable), through the package's fault points (:mod:`lightning_oobleck.testing`):
 
 * ``kill-forward:S`` / ``stop-forward:S``: SIGKILL / SIGSTOP itself in the middle of step S's 1F1B;
 * ``kill-commit:S``: SIGKILL itself after step S's commit completed, before its optimizer update;
-* ``lag-commit:S``: see step S's commit only late (after a failure notice): a survivor that must catch
-  up with a step the others applied;
-* ``kill-copy:G``: SIGKILL itself during the recovery to generation G, after the state copy and before
-  the switch barrier;
+* ``kill-copy:S``: SIGKILL itself during a recovery in step S, after the state copy and before the
+  switch barrier;
+
+and, beside them, a race (not a fault): ``lag-commit:S``: see step S's commit only late (after a failure
+notice): a survivor that must catch up with a step the others applied;
 * ``kill-pending:0`` / ``kill-receive:0`` (a joiner, ``--node-key``): SIGKILL itself once registered
   (pending) / while it receives its layers.
 
@@ -49,13 +50,12 @@ from lightning_oobleck.execution import PeerFailure, PipelineEngine, ProcessGrou
 from lightning_oobleck.execution.stage import build_stage  # noqa: E402
 from lightning_oobleck.planning.plan import Plan  # noqa: E402
 from lightning_oobleck.recovery import EventLog, WorkerAgent  # noqa: E402
+from lightning_oobleck.recovery.admission import JoinPolicy  # noqa: E402
 from lightning_oobleck.recovery.agent import TrainingFinished  # noqa: E402
-from lightning_oobleck.recovery.runtime import (  # noqa: E402
-    JoinPolicy,
-    Recovery,
-    UnrecoverableFailure,
-    join_training,
-)
+from lightning_oobleck.recovery.errors import UnrecoverableFailure  # noqa: E402
+from lightning_oobleck.recovery.joiner import join_training  # noqa: E402
+from lightning_oobleck.recovery.unit_runner import UnitRunner  # noqa: E402
+from lightning_oobleck.testing import Fault, FaultAction, FaultPoint, arm  # noqa: E402
 
 MAX_NORM = 0.5
 GROUP_TIMEOUT = timedelta(seconds=20)
@@ -73,25 +73,24 @@ def clip_and_step(opt: torch.optim.Optimizer, norm_sq: float) -> None:
     opt.step()
 
 
-class FaultyRecovery(Recovery):
-    """:class:`Recovery` with the test's fault points (real signals to this very process)."""
+FAULTS = {
+    "kill-forward": (FaultPoint.FORWARD, FaultAction.KILL, 2),  # the step's second forward
+    "stop-forward": (FaultPoint.FORWARD, FaultAction.STALL, 2),
+    "kill-commit": (FaultPoint.COMMIT, FaultAction.KILL, 1),
+    "kill-copy": (FaultPoint.SWITCH, FaultAction.KILL, 1),
+}
 
-    def __init__(self, *args: Any, faults: list[tuple[str, int]], report: Any, **kwargs: Any) -> None:
+
+class LaggingRunner(UnitRunner):
+    """:class:`UnitRunner` that sees the commit of the steps in ``lag_at`` late (the race ``lag-commit``)."""
+
+    def __init__(self, *args: Any, lag_at: set[int], report: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
-        self.faults = faults
+        self.lag_at = lag_at
         self.report = report
 
-    def fault(self, kind: str, at: int) -> bool:
-        return (kind, at) in self.faults
-
-    def inject(self, kind: str, at: int, signum: signal.Signals = signal.SIGKILL) -> None:
-        """Send ``signum`` to this process if the fault ``kind:at`` was asked for (reported first)."""
-        if self.fault(kind, at):
-            self.report("fault", fault=kind, at=at)
-            os.kill(os.getpid(), signum)
-
-    def commit(self, engine: PipelineEngine, loss: torch.Tensor | None, *args: Any) -> list[float]:
-        if not self.fault("lag-commit", self.ledger.steps):
+    def commit(self, engine: PipelineEngine, loss: torch.Tensor | None, *args: Any) -> Any:
+        if self.progress.steps not in self.lag_at:
             return super().commit(engine, loss, *args)
         waiter = engine.groups.waiter
 
@@ -100,35 +99,55 @@ class FaultyRecovery(Recovery):
             deadline = time.monotonic() + 10
             while not abort.is_set() and time.monotonic() < deadline:
                 time.sleep(0.01)
-            self.report("lagged", step=self.ledger.steps)
+            self.report("lagged", step=self.progress.steps)
             raise PeerFailure("test: this worker saw the commit only after the failure notice")
 
         waiter.wait = see_it_late  # type: ignore[method-assign]
         return super().commit(engine, loss, *args)
 
-    def _switch_barrier(self, groups: ProcessGroups) -> None:
-        self.inject("kill-copy", groups.generation)
-        super()._switch_barrier(groups)
+
+def train_step(
+    runner: UnitRunner,
+    batch: Any,
+    update: Any,
+) -> float:
+    """A whole training step of a plain loop: the step unit, then ``update(optimizer, norm²)``, then
+    :meth:`UnitRunner.advance`. ``batch(step)`` returns that step's whole global batch ``(inputs,
+    targets)``; each pipeline takes its slice under the plan of the moment. Returns the global mean loss."""
+
+    def step(engine: PipelineEngine) -> Any:
+        engine.module.zero_grad(set_to_none=True)
+        inputs, targets = batch(runner.progress.steps)
+        loss = engine.train_step(
+            inputs[engine.batch_slice] if engine.is_first_stage else None,
+            targets[engine.batch_slice] if engine.is_last_stage else None,
+        )
+        return runner.commit(engine, loss)
+
+    committed = runner.step(step)
+    update(runner.optimizer, committed.grad_norm_sq)
+    runner.advance()
+    return committed.loss
 
 
 class Host:
     """The plain loop's side of recovery: AdamW over any layers, the step count as checkpoint metadata."""
 
     def __init__(self) -> None:
-        self.recovery: Recovery | None = None
+        self.runner: UnitRunner | None = None
 
     def build_optimizer(self, module: torch.nn.Module) -> torch.optim.Optimizer:
         return optimizer(module.parameters())
 
     def checkpoint_metadata(self) -> dict[str, Any]:
-        assert self.recovery is not None
-        return {"global_step": self.recovery.ledger.steps}
+        assert self.runner is not None
+        return {"global_step": self.runner.progress.steps}
 
-    def switched(self, recovery: Recovery, event: Any) -> None:
+    def switched(self, runner: UnitRunner, event: Any) -> None:
         pass
 
     def join_state(self) -> None:
-        return None  # the plain loop's position is the ledger's step count
+        return None  # the plain loop's position is the progress's step count
 
 
 def main() -> None:
@@ -151,6 +170,14 @@ def main() -> None:
 
     def report(kind: str, **fields: Any) -> None:
         out.write(json.dumps({"kind": kind, "t": time.time(), **fields}) + "\n")
+
+    kinds = {}
+    for kind, at in faults:
+        if kind in FAULTS:
+            point, action, occurrence = FAULTS[kind]
+            fault = Fault(point, action, step=at, occurrence=occurrence)
+            kinds[fault] = kind
+            arm(fault, report=lambda fault: report("fault", fault=kinds[fault], at=fault.step))
 
     store = torch.distributed.TCPStore("127.0.0.1", args.store_port, is_master=False, timeout=GROUP_TIMEOUT)
     agent = WorkerAgent(
@@ -176,7 +203,7 @@ def main() -> None:
             out.flush()
             os._exit(0)
         groups = admission.groups
-        report("admitted", generation=groups.generation, step=admission.ledger.steps)
+        report("admitted", generation=groups.generation, step=admission.progress.steps)
     else:
         membership = agent.agree(-1, timeout=120.0)
         groups = ProcessGroups(
@@ -189,30 +216,19 @@ def main() -> None:
     pending: dict[str, Any] = {}
 
     def update(opt: torch.optim.Optimizer, norm_sq: float) -> None:
-        report("applied", step=recovery.ledger.steps, generation=recovery.generation, **pending)
-        recovery.inject("kill-commit", recovery.ledger.steps)
+        report("applied", step=runner.progress.steps, generation=runner.generation, **pending)
         clip_and_step(opt, norm_sq)
         time.sleep(args.step_sleep)  # long enough a run for joiners to start (importing torch) meanwhile
 
     def batch(step: int) -> tuple[torch.Tensor, torch.Tensor]:
-        e = recovery.engine
+        e = runner.engine
         pending.clear()
         if e.is_first_stage:
             pending["samples"] = list(range(e.plan.global_batch_size))[e.batch_slice]
-        forwards[0] = 0
         return global_batch(step, e.plan.global_batch_size)
 
-    forwards = [0]
-
-    def in_forward(_module: torch.nn.Module, _args: Any) -> None:
-        forwards[0] += 1
-        if forwards[0] == 3:  # a few layers into the step's 1F1B
-            recovery.inject("kill-forward", recovery.ledger.steps)
-            recovery.inject("stop-forward", recovery.ledger.steps, signal.SIGSTOP)
-
-    torch.nn.modules.module.register_module_forward_pre_hook(in_forward)
     host = Host()
-    recovery = host.recovery = FaultyRecovery(
+    runner = host.runner = LaggingRunner(
         agent,
         store,
         engine,
@@ -226,31 +242,31 @@ def main() -> None:
         checkpoint_dir=args.checkpoint_dir,
         join_policy=JoinPolicy(args.join_policy),
         admission=admission,
-        faults=faults,
+        lag_at={at for kind, at in faults if kind == "lag-commit"},
         report=report,
     )
-    generation = recovery.generation
+    generation = runner.generation
     stop_at = args.steps
-    while recovery.ledger.steps < stop_at:
+    while runner.progress.steps < stop_at:
         try:
-            recovery.train_step(batch, update)
+            train_step(runner, batch, update)
         except UnrecoverableFailure as e:
-            report("unrecoverable", step=recovery.ledger.steps, error=str(e))
+            report("unrecoverable", step=runner.progress.steps, error=str(e))
             out.flush()
             os._exit(UNRECOVERABLE_EXIT)
-        if recovery.generation != generation:
-            generation = recovery.generation
-            plan = recovery.plan
+        if runner.generation != generation:
+            generation = runner.generation
+            plan = runner.plan
             pipelines = [list(p.nodes) for p in plan.pipelines]
             report("recovered", generation=generation, pipelines=pipelines, f=plan.fault_tolerance)
         if store.check([STOP_KEY]):
             stop_at = min(stop_at, int(store.get(STOP_KEY)))
-    recovery.finish()
-    torch.save({n: p.detach().clone() for n, p in recovery.module.named_parameters()}, args.out + ".pt")
-    report("done", step=recovery.ledger.steps, generation=recovery.generation)
+    runner.finish()
+    torch.save({n: p.detach().clone() for n, p in runner.module.named_parameters()}, args.out + ".pt")
+    report("done", step=runner.progress.steps, generation=runner.generation)
     out.flush()
     agent.close(finished=True)
-    recovery.engine.groups.destroy()
+    runner.engine.groups.destroy()
     os._exit(0)
 
 

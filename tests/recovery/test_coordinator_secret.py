@@ -16,6 +16,7 @@ import pytest
 
 from lightning_oobleck.recovery import Coordinator, RegistrationRefused, WorkerAgent
 from lightning_oobleck.recovery.coordinator import holds_connection
+from lightning_oobleck.recovery.membership import MembershipSettings
 from lightning_oobleck.recovery.protocol import SECRET_ENV, encode, parse_address
 
 SECRET = "a1b2c3"
@@ -43,7 +44,9 @@ def _start_two(coordinator: Coordinator) -> list[WorkerAgent]:
 @pytest.mark.slow
 def test_a_client_without_the_secret_is_refused_and_changes_nothing() -> None:
     victim = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
-    with Coordinator(2, "127.0.0.1", secret=SECRET, kill_fenced=True, heartbeat_timeout=2.0) as c:
+    with Coordinator(
+        2, "127.0.0.1", settings=MembershipSettings(kill_fenced=True, heartbeat_timeout=2.0), secret=SECRET
+    ) as c:
         agents = _start_two(c)
         try:
             for fields in ({}, {"secret": "wrong"}):
@@ -69,7 +72,9 @@ def test_a_fenced_client_is_killed_only_if_its_process_holds_the_connection() ->
     that names another process (here, with no secret configured) is fenced, and that process lives."""
     victim = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
     try:
-        with Coordinator(1, "127.0.0.1", kill_fenced=True, heartbeat_timeout=1.0) as c:
+        with Coordinator(
+            1, "127.0.0.1", settings=MembershipSettings(kill_fenced=True, heartbeat_timeout=1.0)
+        ) as c:
             fields = {"node": 0, "device": 0, "pid": victim.pid, "host": socket.gethostname()}
             answer = _stray(c.address, 2.5 * c.heartbeat_timeout, **fields)
             assert answer["op"] == "welcome"
@@ -99,7 +104,7 @@ def test_holds_connection_finds_the_process_at_the_other_end() -> None:
 
 @pytest.mark.timeout(60)
 def test_a_late_registration_is_refused_without_disturbing_training() -> None:
-    with Coordinator(2, "127.0.0.1", secret=SECRET, allow_joins=False) as c:
+    with Coordinator(2, "127.0.0.1", settings=MembershipSettings(allow_joins=False), secret=SECRET) as c:
         agents = _start_two(c)
         try:
             with pytest.raises(RegistrationRefused, match="registered after the training started"):

@@ -27,11 +27,10 @@ whole node of 2    backward (SIGSTOP of one process)            whole_nodes_...
 from __future__ import annotations
 
 import json
-import os
 import signal
 import sys
 from pathlib import Path
-from typing import Any, NamedTuple
+from typing import Any, ClassVar, NamedTuple
 
 import lightning as L
 import pytest
@@ -41,7 +40,6 @@ from torch.utils.data import DataLoader
 sys.path.insert(0, str(Path(__file__).parents[1] / "lightning"))
 from pipeline_testing import TinyNet, dataset
 
-import lightning_oobleck.execution.schedule as executor
 from lightning_oobleck.lightning import GlobalBatchSampler, OobleckStrategy
 from lightning_oobleck.lightning.units import EVENTS_FILE
 from lightning_oobleck.planning.cluster import ClusterSpec
@@ -49,6 +47,8 @@ from lightning_oobleck.planning.plan import Plan
 from lightning_oobleck.planning.planner import make_plan
 from lightning_oobleck.planning.profile import LayerProfile, ModelProfile
 from lightning_oobleck.recovery import read_events
+from lightning_oobleck.testing import Fault as PointFault
+from lightning_oobleck.testing import FaultAction, FaultPoint, arm
 
 SEED, STEPS, CLIP, GLOBAL_BATCH, MICRO, SAMPLES = 3, 5, 0.05, 12, 2, 36
 
@@ -75,70 +75,44 @@ class Fault(NamedTuple):
 
 class Faults(L.Callback):
     """On node ``n`` at step ``s`` (``faults[(n, s)] = Fault(...)``), signal this very process at the
-    fault's moment: a few layers into the step's 1F1B (``FORWARD``), at the step's second gradient
-    of a layer output (``BACKWARD``), right after issuing its first gradient bucket's all-reduce
-    (``GRAD_SYNC``), after its commit, before the optimizer update (``OPTIMIZER``), or once the new
-    generation's process groups are built in a recovery during that step (``RECOVERY``), or, under a split
-    backward, at :data:`INPUT_GRAD`, :data:`WEIGHT_GRAD` or :data:`REDUCE`; records, per counted step, the
-    samples the pipeline's first stage fed."""
+    fault's moment, through the package's fault points (:mod:`lightning_oobleck.testing`): the step's
+    second forward (``FORWARD``), its first backward (``BACKWARD``), right after issuing its first gradient
+    bucket's all-reduce (``GRAD_SYNC``), after its commit, before the optimizer update (``OPTIMIZER``), once
+    the new generation's process groups are built in a recovery during that step (``RECOVERY``), or, under a
+    split backward, at the step's second :data:`INPUT_GRAD` or :data:`WEIGHT_GRAD`, or its first
+    :data:`REDUCE`; records, per counted step, the samples the pipeline's first stage fed."""
+
+    POINTS: ClassVar = {
+        FORWARD: (FaultPoint.FORWARD, 2),
+        BACKWARD: (FaultPoint.BACKWARD, 1),
+        GRAD_SYNC: (FaultPoint.REDUCE, 1),
+        OPTIMIZER: (FaultPoint.COMMIT, 1),
+        RECOVERY: (FaultPoint.STATE_COPY, 1),
+        INPUT_GRAD: (FaultPoint.INPUT_GRAD, 2),
+        WEIGHT_GRAD: (FaultPoint.WEIGHT_GRAD, 2),
+        REDUCE: (FaultPoint.REDUCE, 1),
+    }
 
     def __init__(self, out: Path, faults: dict[tuple[int, int], Fault]) -> None:
         self.out, self.faults = out, faults
         self.fed: list[tuple[int, torch.Tensor]] = []
-        self.armed: Fault | None = None
-        self.forwards = self.backwards = 0
-        self.split_calls: dict[str, int] = {}
 
     def on_fit_start(self, trainer: L.Trainer, module: L.LightningModule) -> None:
         torch.nn.modules.module.register_module_forward_pre_hook(self._on_forward)
-        torch.nn.modules.module.register_module_forward_hook(self._after_forward)
         self.worker = trainer.strategy.worker
         self.name = f"{self.worker[0]}.{self.worker[1]}"
         self.engine = lambda: trainer.strategy.engine
-        recovery = trainer.strategy._units.recovery
-        build_groups = recovery._new_groups
+        for (node, step), fault in self.faults.items():
+            if (node, fault.device) == tuple(self.worker) and fault.when in self.POINTS:
+                point, occurrence = self.POINTS[fault.when]
+                action = FaultAction.STALL if fault.signal == signal.SIGSTOP else FaultAction.KILL
+                arm(PointFault(point, action, step=step, occurrence=occurrence), report=self._record)
 
-        def build_groups_then_fire(*args: Any) -> Any:
-            groups = build_groups(*args)
-            self._fire(RECOVERY)
-            return groups
-
-        recovery._new_groups = build_groups_then_fire
-        for name, when in (("backward_input", INPUT_GRAD), ("backward_weight", WEIGHT_GRAD)):
-            original = getattr(executor, name)
-
-            def count_then_fire(*args: Any, original: Any = original, when: str = when) -> Any:
-                self.split_calls[when] = self.split_calls.get(when, 0) + 1
-                if self.split_calls[when] == 2:
-                    self._fire(when)
-                return original(*args)
-
-            setattr(executor, name, count_then_fire)
+    def _record(self, fault: PointFault) -> None:
+        (self.out / f"fault-{self.name}.json").write_text(json.dumps(fault.to_json()))
 
     def on_train_batch_start(self, trainer: L.Trainer, *args: Any) -> None:
         self.fed.clear()
-        self.forwards = self.backwards = 0
-        self.split_calls.clear()
-        fault = self.faults.get((self.worker[0], trainer.global_step))
-        self.armed = fault if fault is not None and fault.device == self.worker[1] else None
-        if self.armed is not None and self.armed.when == GRAD_SYNC:
-            sync = self.engine()._grad_sync
-            issue = sync._issue
-
-            def issue_then_fire(bucket: Any) -> None:
-                issue(bucket)
-                self._fire(GRAD_SYNC)
-
-            sync._issue = issue_then_fire
-        if self.armed is not None and self.armed.when == REDUCE:
-            sync = self.engine()._grad_sync
-            reduce = sync.reduce
-
-            def fire_then_reduce(bucket: int) -> None:
-                self._fire(REDUCE)
-                reduce(bucket)
-
-            sync.reduce = fire_then_reduce
 
     def _on_forward(self, layer: torch.nn.Module, args: tuple) -> None:
         if torch._C._current_graph_task_id() != -1:
@@ -146,26 +120,6 @@ class Faults(L.Callback):
         engine = self.engine()
         if engine.is_first_stage and layer is engine.module.layer(0):
             self.fed.append((engine.groups.generation, args[0].detach().clone()))
-        self.forwards += 1
-        if self.forwards == 3:
-            self._fire(FORWARD)
-
-    def _after_forward(self, layer: torch.nn.Module, args: tuple, output: Any) -> None:
-        if self.armed is not None and self.armed.when == BACKWARD and getattr(output, "requires_grad", False):
-            output.register_hook(self._on_backward)
-
-    def _on_backward(self, grad: torch.Tensor) -> None:
-        self.backwards += 1
-        if self.backwards == 2:
-            self._fire(BACKWARD)
-
-    def on_before_optimizer_step(self, *args: Any) -> None:
-        self._fire(OPTIMIZER)
-
-    def _fire(self, when: str) -> None:
-        if self.armed is not None and self.armed.when == when:
-            (self.out / f"fault-{self.name}.json").write_text(json.dumps(self.armed))
-            os.kill(os.getpid(), self.armed.signal)
 
     def on_train_batch_end(self, trainer: L.Trainer, *args: Any) -> None:
         counted = self.engine().groups.generation  # an attempt interrupted by a recovery does not count

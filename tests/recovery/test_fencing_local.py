@@ -15,6 +15,7 @@ import pytest
 from recovery_cluster import wait_until
 
 from lightning_oobleck.recovery import Coordinator, Worker
+from lightning_oobleck.recovery.membership import MembershipSettings
 
 SCRIPT = Path(__file__).with_name("agent_only_worker.py")
 
@@ -42,7 +43,7 @@ def test_a_forked_child_holding_the_connection_does_not_delay_the_detection_of_i
 ) -> None:
     child_pid_file = tmp_path / "child.pid"
     with (
-        Coordinator(2, "127.0.0.1", heartbeat_timeout=5.0) as coordinator,
+        Coordinator(2, "127.0.0.1", settings=MembershipSettings(heartbeat_timeout=5.0)) as coordinator,
         agent_workers(coordinator, {1: [str(child_pid_file)]}) as procs,
     ):
         child = int(
@@ -63,7 +64,9 @@ def test_a_forked_child_holding_the_connection_does_not_delay_the_detection_of_i
 @pytest.mark.timeout(60)
 def test_kill_fenced_kills_a_stopped_worker_on_this_host_so_its_connections_close() -> None:
     with (
-        Coordinator(2, "127.0.0.1", heartbeat_timeout=1.0, kill_fenced=True) as coordinator,
+        Coordinator(
+            2, "127.0.0.1", settings=MembershipSettings(heartbeat_timeout=1.0, kill_fenced=True)
+        ) as coordinator,
         agent_workers(coordinator, {}) as procs,
     ):
         stopped_at = time.time()

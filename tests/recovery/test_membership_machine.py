@@ -20,8 +20,16 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from lightning_oobleck.recovery.membership import Close, Effect, Kill, MembershipMachine, Phase, Send
-from lightning_oobleck.recovery.protocol import Worker
+from lightning_oobleck.recovery.membership import (
+    Close,
+    Effect,
+    Kill,
+    MembershipMachine,
+    MembershipSettings,
+    Phase,
+    Send,
+)
+from lightning_oobleck.worker import Worker
 
 SECRET = "s3cret"
 HEARTBEAT = 1.0
@@ -56,13 +64,15 @@ class Harness:
     def __init__(self, nodes: int, devices: int, allow_joins: bool = True) -> None:
         self.machine = MembershipMachine(
             nodes * devices,
-            heartbeat_timeout=HEARTBEAT,
-            settle_s=SETTLE,
-            agreement_timeout=AGREEMENT,
+            MembershipSettings(
+                heartbeat_timeout=HEARTBEAT,
+                settle_s=SETTLE,
+                agreement_timeout=AGREEMENT,
+                allow_joins=allow_joins,
+                devices_per_node=devices,
+                kill_fenced=True,
+            ),
             secret=SECRET,
-            allow_joins=allow_joins,
-            devices_per_node=devices,
-            kill_fenced=True,
             host="here",
         )
         self.now = 0.0
@@ -408,7 +418,7 @@ def test_starting_a_presence_connection_ends_the_wait_for_a_process_that_never_r
     h = Harness(3, 1)
     h.register(0, True)
     h.register(1, True)
-    h.advance(3 * h.machine.registration_timeout)  # the presence connection has no timer of its own
+    h.advance(3 * h.machine.settings.registration_timeout)  # the presence connection has no timer of its own
     assert h.machine.phase is Phase.STARTING and not h.machine.history
     h.presence_ends(2)
     (g0,) = h.machine.history
@@ -616,3 +626,22 @@ def test_the_end_of_the_training_lets_the_pending_joiners_go() -> None:
     (joiner,) = h.joiners
     assert h.by_worker[joiner].last("finished")["reason"].startswith("the training ended")
     assert h.by_worker[joiner].closed and h.machine.phase is Phase.DONE
+
+
+def test_the_dispatch_follows_the_documented_table() -> None:
+    """The messages each phase handles are those the module's dispatch table says, and only those."""
+    from lightning_oobleck.recovery import membership
+
+    doc = membership.__doc__ or ""
+    table = doc[doc.index("message      STARTING") :]
+    phases = [Phase[name] for name in table.splitlines()[0].split()[1:]]
+    rows = table.splitlines()[2:]
+    rows = rows[: next(i for i, row in enumerate(rows) if row.startswith("="))]
+    documented = {
+        (phase, row.split()[0])
+        for row in rows
+        for phase, cell in zip(phases, row.split()[1:], strict=True)
+        if cell == "yes"
+    }
+    assert len(rows) == 7 and documented == set(membership.DISPATCH)
+    assert {op for _, op in documented} == membership.MESSAGES

@@ -31,6 +31,7 @@ from lightning_oobleck.recovery import (
     Worker,
     WorkerAgent,
 )
+from lightning_oobleck.recovery.membership import MembershipSettings
 from lightning_oobleck.recovery.protocol import SECRET_ENV, LineReader, Timeouts, encode, parse_address
 from lightning_oobleck.recovery.service import CoordinatorService
 
@@ -102,8 +103,9 @@ def agree(clients: list[RawClient], generation: int) -> list[Worker]:
 
 @pytest.fixture
 def coordinator(request: pytest.FixtureRequest) -> Iterator[Coordinator]:
-    options = {"world_size": 2, "heartbeat_timeout": 5.0, **getattr(request, "param", {})}
-    with Coordinator(host="127.0.0.1", **options) as c:
+    options = {"heartbeat_timeout": 5.0, **getattr(request, "param", {})}
+    world_size = options.pop("world_size", 2)
+    with Coordinator(world_size, "127.0.0.1", settings=MembershipSettings(**options)) as c:
         yield c
 
 
@@ -171,7 +173,7 @@ def test_a_member_that_never_reaches_the_barrier_is_declared_dead(coordinator: C
 
 
 def test_agent_agrees_and_loses_the_coordinator_with_a_clear_error() -> None:
-    coordinator = Coordinator(1, "127.0.0.1", heartbeat_timeout=5.0).start()
+    coordinator = Coordinator(1, "127.0.0.1", settings=MembershipSettings(heartbeat_timeout=5.0)).start()
     agent = WorkerAgent((0, 0), coordinator.address).start()
     try:
         membership = agent.agree(after=-1, timeout=5.0)
@@ -239,7 +241,7 @@ def test_a_worker_breaking_the_protocol_is_dropped_and_the_coordinator_keeps_ser
 def test_the_launchers_supervisor_hosts_the_coordinator_and_exports_its_address() -> None:
     from lightning_oobleck.lightning.launcher import Supervisor
 
-    service = CoordinatorService(heartbeat_timeout=5.0)
+    service = CoordinatorService(MembershipSettings(heartbeat_timeout=5.0))
     with Supervisor(2, services=[service]) as supervisor:
         address, secret = supervisor.worker_env[ADDRESS_ENV], supervisor.worker_env[SECRET_ENV]
         agents = [WorkerAgent((node, 0), address, secret=secret).start() for node in (0, 1)]
@@ -289,7 +291,7 @@ def test_the_coordinator_entry_point_serves_until_the_workers_finished(tmp_path:
 def test_the_first_registration_sets_the_jobs_timeouts_and_a_different_one_is_refused() -> None:
     """Under SLURM the coordinator starts before any worker's configuration is known: the workers bring
     their ``heartbeat_timeout_s`` and ``hang_timeout_s``; one configured differently is refused by name."""
-    with Coordinator(3, "127.0.0.1", heartbeat_timeout=2.0) as c:
+    with Coordinator(3, "127.0.0.1", settings=MembershipSettings(heartbeat_timeout=2.0)) as c:
         first = WorkerAgent((0, 0), c.address, timeouts=Timeouts(3.0, 90.0)).start()
         try:
             assert (first.heartbeat_timeout, c.heartbeat_timeout, c.agreement_timeout) == (3.0, 3.0, 90.0)

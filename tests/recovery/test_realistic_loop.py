@@ -35,6 +35,7 @@ from __future__ import annotations
 import csv
 import json
 import math
+import os
 import signal
 import time
 from pathlib import Path
@@ -63,9 +64,10 @@ from torch.utils.data import DataLoader
 from lightning_oobleck.execution import PeerFailure
 from lightning_oobleck.execution.checkpoint import INDEX_FILE, METADATA_FILE, missing_shards
 from lightning_oobleck.lightning import GlobalBatchSampler, OobleckStrategy
-from lightning_oobleck.lightning import units as units_module
 from lightning_oobleck.lightning.units import EVENTS_FILE
 from lightning_oobleck.recovery import read_events
+from lightning_oobleck.testing import Fault as PointFault
+from lightning_oobleck.testing import FaultPoint, arm
 
 SEED, STEPS, GLOBAL_BATCH, MICRO, SAMPLES, VAL_SAMPLES = 3, 9, 12, 2, 60, 24
 CLIP = 0.02
@@ -100,27 +102,24 @@ class LoopFaults(Faults):
 
     def on_fit_start(self, trainer: L.Trainer, module: L.LightningModule) -> None:
         super().on_fit_start(trainer, module)
-        units = trainer.strategy._units
-        write_shard, all_reduce = units_module.write_shard, units.all_reduce
-
-        def write_shard_then_fire(*args: Any, **kwargs: Any) -> Any:
-            written = write_shard(*args, **kwargs)
-            self._arm(trainer, CHECKPOINT)
-            return written
-
-        def reduce_fire_first(tensor: torch.Tensor, *args: Any) -> Any:
-            if tensor.is_floating_point() and trainer.state.stage == "validate":
-                self._arm(trainer, LOGGING)
-            return all_reduce(tensor, *args)
-
-        units_module.write_shard = write_shard_then_fire
-        units.all_reduce = reduce_fire_first
-        engine = trainer.strategy.engine
+        self.trainer, self.validation_forwards = trainer, 0
+        for (node, step), fault in self.faults.items():
+            if (node, fault.device) == tuple(self.worker) and fault.when == CHECKPOINT:
+                # the save of global step G comes after training step G - 1 (the fault points' step)
+                arm(PointFault(FaultPoint.CHECKPOINT, step=step - 1), report=self._record)
+        strategy = trainer.strategy
+        reduce, engine = strategy.reduce, strategy.engine
         commit = engine.commit
 
+        def reduce_fire_first(tensor: Any, *args: Any, **kwargs: Any) -> Any:
+            floating = isinstance(tensor, torch.Tensor) and tensor.is_floating_point()
+            if floating and trainer.state.stage == "validate":
+                self._signal(trainer, LOGGING)
+            return reduce(tensor, *args, **kwargs)
+
         def commit_late_if_armed(loss: Any, *args: Any, **kwargs: Any) -> Any:
-            fault = self.faults.get((self.worker[0], trainer.global_step))
-            if fault is not None and fault.when == LAG and fault.device == self.worker[1]:
+            """A race, not a fault: see the step's commit only once a failure was announced."""
+            if self._mine(trainer, LAG) is not None:
                 waiter = engine.groups.waiter
 
                 def see_it_late(works: Any, abort: Any) -> None:
@@ -133,25 +132,28 @@ class LoopFaults(Faults):
                 waiter.wait = see_it_late
             return commit(loss, *args, **kwargs)
 
+        strategy.reduce = reduce_fire_first
         engine.commit = commit_late_if_armed
 
-    def _arm(self, trainer: L.Trainer, when: str) -> None:
+    def _mine(self, trainer: L.Trainer, when: str) -> Fault | None:
         fault = self.faults.get((self.worker[0], trainer.global_step))
-        if fault is not None and fault.device == self.worker[1] and fault.when == when:
-            self.armed = fault
-            self._fire(when)
+        return fault if fault is not None and fault.device == self.worker[1] and fault.when == when else None
+
+    def _signal(self, trainer: L.Trainer, when: str) -> None:
+        """The moments no fault point names (a validation forward, the reduce of a logged value)."""
+        if (fault := self._mine(trainer, when)) is not None:
+            (self.out / f"fault-{self.name}.json").write_text(json.dumps(fault))
+            os.kill(os.getpid(), fault.signal)
 
     def on_validation_batch_start(self, trainer: L.Trainer, *args: Any) -> None:
-        if not trainer.sanity_checking:
-            self.forwards = 0
-            fault = self.faults.get((self.worker[0], trainer.global_step))
-            self.armed = fault if fault is not None and fault.when == VALIDATION else None
+        self.validation_forwards = 0
 
     def _on_forward(self, layer: torch.nn.Module, args: tuple) -> None:
-        if self.armed is not None and self.armed.when == VALIDATION:
-            self.forwards += 1
-            if self.forwards == 2:
-                self._fire(VALIDATION)
+        trainer = self.trainer
+        if trainer.state.stage == "validate" and not trainer.sanity_checking:
+            self.validation_forwards += 1
+            if self.validation_forwards == 2:
+                self._signal(trainer, VALIDATION)
             return
         super()._on_forward(layer, args)
 

@@ -15,7 +15,7 @@ import pytest
 from test_runtime import RUN_TIMEOUT_S, Join, check_run, run_training
 
 from lightning_oobleck.recovery import read_events
-from lightning_oobleck.recovery.runtime import JoinPolicy
+from lightning_oobleck.recovery.admission import JoinPolicy
 
 
 def last(result: dict, label: object, kind: str) -> dict:

@@ -34,6 +34,7 @@ from lightning_oobleck.planning.plan import Plan
 from lightning_oobleck.planning.planner import make_plan
 from lightning_oobleck.planning.profile import LayerProfile, ModelProfile
 from lightning_oobleck.recovery import Coordinator, read_events
+from lightning_oobleck.recovery.membership import MembershipSettings
 
 WORKER = Path(__file__).with_name("runtime_worker.py")
 NODES = 6
@@ -105,7 +106,11 @@ def run_training(
     plan_file.write_text((plan or six_node_plan()).to_json())
     store = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=30))
     coordinator = Coordinator(
-        NODES, "127.0.0.1", heartbeat_timeout=3.0, settle_s=0.2, agreement_timeout=30.0, kill_fenced=True
+        NODES,
+        "127.0.0.1",
+        settings=MembershipSettings(
+            heartbeat_timeout=3.0, settle_s=0.2, agreement_timeout=30.0, kill_fenced=True
+        ),
     ).start()
     procs: dict[int | str, subprocess.Popen[bytes]] = {}
 
@@ -279,7 +284,7 @@ def test_rank0_then_committed_step_then_kill_during_recovery(tmp_path: Path) -> 
     result = run_training(
         tmp_path,
         steps,
-        {0: ["kill-forward:1"], 5: ["kill-commit:3"], 4: ["lag-commit:3"], 2: ["kill-copy:2"]},
+        {0: ["kill-forward:1"], 5: ["kill-commit:3"], 4: ["lag-commit:3"], 2: ["kill-copy:4"]},
     )
     check_run(result, steps, dead={0, 2, 5})
     assert any(r["kind"] == "lagged" for r in result["records"][4])

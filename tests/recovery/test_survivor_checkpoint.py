@@ -40,7 +40,7 @@ from test_fault_matrix import (  # puts tests/lightning (pipeline_testing) on th
 from torch.utils.data import DataLoader
 
 from lightning_oobleck.lightning import GlobalBatchSampler, OobleckStrategy
-from lightning_oobleck.recovery.runtime import UnrecoverableFailure
+from lightning_oobleck.recovery.errors import UnrecoverableFailure
 
 KILL_STEP = 2
 KILLED = (1, 2, 4, 5)
@@ -60,21 +60,20 @@ class KillTogether(Faults):
         (self.out / f"pid-{self.name}").write_text(str(os.getpid()))
         self.workers = len(trainer.strategy.plan.workers)  # one record file each
 
-    def _fire(self, when: str) -> None:
-        if self.armed is not None and self.armed.when == when:
-            # A worker may still be between the last step's commit and its record of that step (written
-            # after its optimizer step): wait for every worker's record before the kill.
-            done = self.armed_step - 1
-            deadline = time.monotonic() + 20
-            while time.monotonic() < deadline:
-                records = [path.read_text() for path in self.out.glob("fed-*.jsonl")]
-                if len(records) == self.workers and all(f'"step": {done},' in r for r in records):
-                    break
-                time.sleep(0.01)
-            for node in self.others:
-                (self.out / f"fault-{node}.0.json").write_text(json.dumps(self.armed))
-                os.kill(int((self.out / f"pid-{node}.0").read_text()), signal.SIGKILL)
-        super()._fire(when)
+    def _record(self, fault: Any) -> None:
+        # A worker may still be between the last step's commit and its record of that step (written
+        # after its optimizer step): wait for every worker's record before the kill.
+        done = self.armed_step - 1
+        deadline = time.monotonic() + 20
+        while time.monotonic() < deadline:
+            records = [path.read_text() for path in self.out.glob("fed-*.jsonl")]
+            if len(records) == self.workers and all(f'"step": {done},' in r for r in records):
+                break
+            time.sleep(0.01)
+        for node in self.others:
+            (self.out / f"fault-{node}.0.json").write_text(json.dumps(fault.to_json()))
+            os.kill(int((self.out / f"pid-{node}.0").read_text()), signal.SIGKILL)
+        super()._record(fault)
 
 
 def fit(out: Path, faults: Faults, ckpt_path: str | None = None, **strategy: Any) -> L.Trainer:
