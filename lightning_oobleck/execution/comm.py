@@ -27,7 +27,7 @@ from datetime import timedelta
 from torch.distributed import Work
 
 from lightning_oobleck.execution.errors import PeerFailure, is_peer_lost
-from lightning_oobleck.execution.exit_guard import outlive
+from lightning_oobleck.execution.exit_guard import exit_past_stuck_thread
 
 log = logging.getLogger(__name__)
 
@@ -142,4 +142,4 @@ class CommWaiter:
         if self.broken is None:
             self._thread.join(timeout=self.timeout_s)
         else:
-            outlive(self._thread)
+            exit_past_stuck_thread(self._thread)

@@ -26,7 +26,8 @@ from types import TracebackType
 
 
 class _ExitGuard:
-    """Process-wide by nature (one exit per process): the threads to outlive, and whether a run failed."""
+    """Process-wide by nature (one exit per process): the stuck threads the exit must not wait for, and
+    whether a run failed."""
 
     def __init__(self) -> None:
         self._threads: list[threading.Thread] = []
@@ -67,7 +68,7 @@ class _ExitGuard:
 _GUARD = _ExitGuard()
 
 
-def outlive(thread: threading.Thread) -> None:
+def exit_past_stuck_thread(thread: threading.Thread) -> None:
     """Make the process exit without finalisation if ``thread`` (stuck in a C++ wait) is alive at exit."""
     _GUARD.watch(thread)
 
