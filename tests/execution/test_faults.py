@@ -90,6 +90,7 @@ def _drill(fault: Fault, linger_s: float = 0.0) -> subprocess.Popen:
 
 
 @pytest.mark.timeout(60)
+@pytest.mark.slow
 def test_a_drill_from_the_environment_kills_the_named_worker() -> None:
     """``OOBLECK_FAULTS`` arms every process of a job as it is submitted; only the named worker dies."""
     victim = _drill(Fault(FaultPoint.STATE_COPY, node=2, device=1, step=4))

@@ -53,6 +53,7 @@ def _check(results: list[dict], survivors: int) -> None:
 
 
 @pytest.mark.timeout(120)
+@pytest.mark.slow
 def test_abort_leaves_pending_operations_gloo(tmp_path: Path) -> None:
     """Three workers; the third hangs (SIGSTOP). The two others see their all-reduce aborted, leave
     generation 0 with a receive from the hung peer still pending, in well under a second (since torch
