@@ -675,7 +675,7 @@ class OobleckStrategy(ParallelStrategy, PipelineExecutor):
             raise RuntimeError("load_checkpoint() must come first: it names the sharded checkpoint")
         return self._checkpoint_path
 
-    # ------------------------------------------------------------------ collectives on the default group
+    # ------------------------------------------------------------------ collectives Lightning asks for
     @override
     def reduce(
         self, tensor: Tensor | Any, group: Any | None = None, reduce_op: ReduceOp | str | None = "mean"

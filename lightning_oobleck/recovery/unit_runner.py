@@ -81,6 +81,7 @@ from lightning_oobleck.recovery.switch import (
     next_plan,
     switch_barrier,
 )
+from lightning_oobleck.worker import Worker
 
 log = logging.getLogger(__name__)
 
@@ -460,7 +461,7 @@ class UnitRunner:
     def _await_members(self, membership: Membership, what: str) -> None:
         wait_for_members(self.store, membership, self.worker, what, self.agent.abort, self.group_timeout)
 
-    def _exchange(self, membership: Membership) -> dict[Any, dict[str, Any]]:
+    def _exchange(self, membership: Membership) -> dict[Worker, dict[str, Any]]:
         """Every member's position (layout generation, copied layout, units done) through the store."""
         mine = {
             "layout": self.generation,
