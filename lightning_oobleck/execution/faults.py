@@ -153,13 +153,33 @@ def armed() -> tuple[Fault, ...]:
     return tuple(fault for fault, _ in _state.armed)
 
 
+def from_environment() -> list[Fault]:
+    """The faults :data:`FAULTS_ENV` names (none when it is unset). A value that is not a list of faults is
+    one ``ValueError`` that says how to write it: the strategy checks it before any worker starts."""
+    text = os.environ.get(FAULTS_ENV)
+    if not text:
+        return []
+    try:
+        items = json.loads(text)
+        if not isinstance(items, list) or not all(isinstance(item, dict) for item in items):
+            raise TypeError("not a JSON list of objects")
+        return [Fault(**fields) for fields in items]
+    except (ValueError, TypeError) as e:
+        points = ", ".join(p.value for p in FaultPoint)
+        actions = ", ".join(a.value for a in FaultAction)
+        raise ValueError(
+            f"{FAULTS_ENV}={text!r} is not a list of faults ({e}): write e.g. "
+            f'\'[{{"point": "backward", "node": 1, "step": 30}}]\' (points: {points}; actions: '
+            f"{actions}), or unset it"
+        ) from None
+
+
 def step_starts(worker: Worker, step: int) -> None:
     """The training loop is at the start of step ``step`` on ``worker`` (the points' counts restart; a step
     redone after a recovery keeps them). Reaches :attr:`FaultPoint.STEP`."""
     if not _state.from_environment:
         _state.from_environment = True
-        if text := os.environ.get(FAULTS_ENV):
-            arm(*(Fault(**fields) for fields in json.loads(text)))
+        arm(*from_environment())
     if (_state.worker, _state.step) == (worker, step):
         return
     _state.worker, _state.step, _state.counts = Worker(*worker), step, {}

@@ -18,7 +18,7 @@ only be created through the default group (``new_group``), and Lightning and tor
 to synchronise by ``torch.distributed.is_initialized()``. So the world group is created with
 ``init_process_group`` and left with ``destroy_process_group``, both public, and never by editing torch's
 registry. This module is the only code that calls either. Leaving a failed generation must not wait for
-operations stuck on a silent peer: since :data:`ABORT_CHECKED_ON`, ``destroy_process_group`` returns at
+operations stuck on a silent peer: since torch 2.13 (checked), ``destroy_process_group`` returns at
 once with operations pending (the test ``test_abort_leaves_pending_operations`` fails on a torch where it
 does not), but the last reference to a group runs its destructor, which does wait; so the groups of a
 generation left by :meth:`~ProcessGroups.abort` stay referenced for the rest of the process
@@ -38,9 +38,6 @@ from lightning_oobleck.execution.comm import CommWaiter
 from lightning_oobleck.execution.errors import PeerFailure
 from lightning_oobleck.planning.plan import Plan
 from lightning_oobleck.worker import Worker
-
-ABORT_CHECKED_ON = "2.13"
-"""The torch version on which leaving a generation with operations pending was checked not to wait."""
 
 _ABORTED: list[dist.ProcessGroup] = []
 """Groups of generations left by :meth:`ProcessGroups.abort`: a group's destructor waits for its pending

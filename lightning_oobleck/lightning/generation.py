@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import warnings
 from collections.abc import Callable
-from dataclasses import dataclass, replace
+from dataclasses import asdict, dataclass, replace
 from datetime import timedelta
 from functools import partial
 from pathlib import Path
@@ -147,7 +147,7 @@ def first_generation(
     lowest live worker, workers lost before the first step left out. Without: the plan made by the worker
     that ``plans`` (the lowest rank) and read by the others, over every launched worker."""
     if agent is not None:
-        _, _, groups = start(agent, store, make_plan, plan_timeout_s, **options.__dict__)
+        _, _, groups = start(agent, store, make_plan, plan_timeout_s, **asdict(options))
         return groups
     plan = publish_plan(store, make_plan) if plans else read_plan(store, plan_timeout_s)
     assert plan is not None  # no abort event: the read waits or raises
@@ -171,5 +171,5 @@ def join_running_training(
     )
     with precision.tensor_init_context():
         return join_training(
-            agent, store, build_layers, device, agreement_timeout=agreement_timeout_s, **options.__dict__
+            agent, store, build_layers, device, agreement_timeout=agreement_timeout_s, **asdict(options)
         )

@@ -51,6 +51,7 @@ from lightning_oobleck.execution.checkpoint import (
     load_sharded_model,
     load_sharded_optimizers,
 )
+from lightning_oobleck.execution.faults import from_environment
 from lightning_oobleck.execution.process_groups import backend_for, check_plan_size
 from lightning_oobleck.execution.stage import Tie, find_ties
 from lightning_oobleck.lightning._internals import (
@@ -277,6 +278,7 @@ class OobleckStrategy(ParallelStrategy, PipelineExecutor):
     def _configure_launcher(self) -> None:
         # Lightning calls this once devices and precision are known: refuse what cannot run before launching.
         self._check_precision()
+        from_environment()  # a drill's OOBLECK_FAULTS that no worker could read
         self.config = replace(
             self.config, devices_per_node=self._environment().devices_per_node(self.config.devices_per_node)
         )

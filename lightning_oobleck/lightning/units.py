@@ -206,7 +206,8 @@ class LightningLoop:
         runner = self.runner
         if self.catching_up:
             self._finish_catching_up()
-        faults.step_starts(self.engine.groups.worker, self.trainer.global_step)
+        if runner is None:  # the runner marks its steps itself
+            faults.step_starts(self.engine.groups.worker, self.trainer.global_step)
 
         def step(engine: PipelineEngine) -> StepResult:
             engine.module.zero_grad(set_to_none=True)

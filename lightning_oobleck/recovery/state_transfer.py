@@ -83,8 +83,9 @@ def _exchange(
 ) -> None:
     """Send ``sends[peer]`` to each peer and receive ``receives[peer]`` from each, as one batch; bounded and
     abortable like every wait of the generation."""
-    ops = [dist.P2POp(dist.isend, t, groups.rank_of(peer), groups.world) for peer, t in sends.items()]
-    ops += [dist.P2POp(dist.irecv, t, groups.rank_of(peer), groups.world) for peer, t in receives.items()]
+    world = groups.world
+    ops = [dist.P2POp(dist.isend, t, groups.rank_of(peer), group=world) for peer, t in sends.items()]
+    ops += [dist.P2POp(dist.irecv, t, groups.rank_of(peer), group=world) for peer, t in receives.items()]
     if not ops:
         return
     with groups.waiter.issuing():

@@ -117,3 +117,23 @@ def test_a_stall_stops_the_process_silently() -> None:
     finally:
         proc.kill()
         proc.wait(timeout=10)
+
+
+@pytest.mark.parametrize(
+    ("value", "problem"),
+    [
+        ('[{"point": "forwrd"}]', "'forwrd' is not a valid FaultPoint"),
+        ('[{"point": "forward", "nod": 1}]', "unexpected keyword argument 'nod'"),
+        ('{"point": "forward"}', "not a JSON list of objects"),
+        ("[{point: forward}]", "Expecting property name"),
+    ],
+)
+def test_a_drill_the_workers_could_not_read_is_one_clear_error(
+    monkeypatch: pytest.MonkeyPatch, value: str, problem: str
+) -> None:
+    monkeypatch.setenv(FAULTS_ENV, value)
+    with pytest.raises(ValueError, match=r"OOBLECK_FAULTS=.* is not a list of faults") as error:
+        faults.from_environment()
+    assert problem in str(error.value) and '\'[{"point": "backward"' in str(error.value)
+    monkeypatch.setenv(FAULTS_ENV, '[{"point": "commit", "node": 2, "step": 4}]')
+    assert faults.from_environment() == [Fault(FaultPoint.COMMIT, node=2, step=4)]

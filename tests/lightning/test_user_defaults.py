@@ -229,6 +229,17 @@ def test_a_drill_armed_in_the_environment_is_survived(
     assert removed == [(1, 0), (2, 0)]
 
 
+@pytest.mark.timeout(120)
+def test_a_drill_no_worker_could_read_is_refused_before_the_workers_start(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv(FAULTS_ENV, '[{"point": "backwards", "node": 1, "step": 3}]')
+    with pytest.raises(ValueError, match=r"OOBLECK_FAULTS=.*'backwards' is not a valid FaultPoint"):
+        fit(Regressor(), 2)
+    assert not list(tmp_path.rglob("*.ckpt")) and not list(tmp_path.rglob("oobleck-events.jsonl"))
+
+
 class SavesToItsOwnPath(L.Callback):
     """Every worker is given another path, as on nodes that do not share the directory."""
 
