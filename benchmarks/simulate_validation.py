@@ -54,7 +54,7 @@ NODES, LAYERS, WIDTH, GLOBAL_BATCH, MICRO = 6, 6, 16, 24, 2
 TIMES = DeviceTimes(forward_s=0.01, input_grad_s=0.01, weight_grad_s=0.01)
 LINK_LATENCY_S = 3e-4
 """A gloo message between two processes of this machine in a busy pipeline (docs/benchmarks.md)."""
-DEVICE_MEMORY_BYTES = 1_000
+DEVICE_MEMORY_BYTES = 1_200
 """Three emulated layers' state and activations fit on a device, six do not."""
 DEFAULT_KILLS = ((1, 3.5), (2, 7.5))
 

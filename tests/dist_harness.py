@@ -13,7 +13,7 @@ import os
 import signal
 import sys
 import traceback
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from datetime import timedelta
 from multiprocessing.connection import Connection
 from typing import Any
@@ -95,6 +95,23 @@ class WorkerPool:
             if proc.is_alive():
                 proc.kill()
                 proc.join(timeout=10)
+
+
+def set_index(store: TCPStore, state: dict[str, Any], index: int) -> int:
+    """A task: the worker's index in the plans the next tasks are given (``state["index"]``)."""
+    state["index"] = index
+    return index
+
+
+@contextlib.contextmanager
+def indexed_pool(size: int) -> Iterator[WorkerPool]:
+    """A :class:`WorkerPool` of ``size`` workers, worker ``i`` at index ``i``; closed afterwards."""
+    workers = WorkerPool(size)
+    try:
+        workers.run({i: (set_index, (i,)) for i in range(size)}, timeout=120)
+        yield workers
+    finally:
+        workers.close()
 
 
 def plan_from_splits(

@@ -3,6 +3,8 @@
     python examples/gpt/train.py                                  # config.yaml as it is
     python examples/gpt/train.py --devices 6 --fault-tolerance 2  # 3+ pipelines over 6 processes
     python examples/gpt/train.py --max-steps 50 --precision bf16-mixed strategy.microbatch_size=2
+    python examples/gpt/train.py --accelerator gpu --devices 1 --fault-tolerance 0 --precision bf16-mixed
+                                                                  # one GPU (delete config.yaml's memory cap)
     python examples/gpt/train.py --devices 6 --fault-tolerance 2 --kill-rank 0 --kill-at-step 30
                                                                   # SIGKILL rank 0 at step 30: it recovers
     python examples/gpt/train.py --devices 6 --fault-tolerance 2 --kill-rank 0 --kill-at-step 30 \
@@ -83,6 +85,7 @@ def parse_args(argv: list[str] | None = None) -> tuple[argparse.Namespace, DictC
     parser.add_argument(
         "--config", type=Path, default=DEFAULT_CONFIG, help="YAML file (default: %(default)s)"
     )
+    parser.add_argument("--accelerator", help="cpu (the default here: 4 processes on one machine) or gpu")
     parser.add_argument("--devices", type=int, help="local processes (trainer.devices)")
     parser.add_argument("--max-steps", type=int, help="optimizer steps (trainer.max_steps)")
     parser.add_argument("--precision", help="32-true, 64-true or bf16-mixed (trainer.precision)")
@@ -116,6 +119,7 @@ def parse_args(argv: list[str] | None = None) -> tuple[argparse.Namespace, DictC
         parser.error(f"--config {args.config}: no such file")
     cfg = OmegaConf.merge(OmegaConf.load(args.config), OmegaConf.from_dotlist(args.overrides))
     flags = {
+        "trainer.accelerator": args.accelerator,
         "trainer.devices": args.devices,
         "trainer.max_steps": args.max_steps,
         "trainer.precision": args.precision,
@@ -156,7 +160,6 @@ def main(argv: list[str] | None = None) -> None:
         OmegaConf.to_container(cfg.optim),  # type: ignore[arg-type]
     )
     trainer = L.Trainer(
-        accelerator="cpu",
         strategy=OobleckStrategy.from_config(cfg.strategy),
         callbacks=callbacks,
         logger=False,

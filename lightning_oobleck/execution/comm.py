@@ -47,6 +47,7 @@ class _Request:
         except BaseException as e:  # handed to the waiting caller, which re-raises it
             self.error = e
         finally:
+            self.works = ()  # a work holds its tensors: the helper thread keeps this request until the next
             self.done.set()
 
 

@@ -4,6 +4,11 @@ The tensors saved for backward are what a micro-batch in flight costs a stage; c
 ``saved_tensors_hooks`` works the same on every device (the CUDA allocator's peak would also include
 temporaries and fragmentation). A saved tensor counts by its own size, not its storage's: a
 micro-batch that is a view of the whole batch costs the micro-batch.
+
+Under ``torch.autocast`` a layer saves the 16-bit casts of its weights. Autocast caches those casts for its
+whole region (a training step: one copy per parameter, shared by every micro-batch), so they are not
+per-micro-batch memory and are not counted here: the planner counts them with the parameters' state
+(:func:`lightning_oobleck.planning.cost.default_state_factor`).
 """
 
 from __future__ import annotations
@@ -28,14 +33,42 @@ class _Saved:
         self.meter._release(self.key)
 
 
+_CAST_OR_VIEW = frozenset(
+    {
+        "ToCopyBackward0",
+        "TBackward0",
+        "TransposeBackward0",
+        "PermuteBackward0",
+        "ViewBackward0",
+        "AliasBackward0",
+    }
+)
+"""The autograd nodes between a parameter and autocast's cached cast of it as a layer saves it."""
+
+
+def _casts_parameter(tensor: Tensor, parameters: set[int]) -> bool:
+    """Whether ``tensor`` is a cast (or a view of a cast) of one of ``parameters`` (by ``id``)."""
+    node, cast = tensor.grad_fn, False
+    while node is not None and node.name() in _CAST_OR_VIEW:
+        cast = cast or node.name() == "ToCopyBackward0"
+        inputs = [n for n, _ in node.next_functions if n is not None]
+        if len(inputs) != 1:
+            return False
+        node = inputs[0]
+    return cast and id(getattr(node, "variable", None)) in parameters
+
+
 class SavedTensorMeter:
     """Context manager: bytes of tensors saved for backward, live now and at peak.
 
-    ``exclude``: tensors whose storage is not activation memory (the parameters).
+    ``exclude``: tensors that are not activation memory (the parameters); under autocast, their cached
+    casts are not counted either.
     """
 
     def __init__(self, exclude: Iterable[Tensor] = ()) -> None:
-        self._excluded = {t.untyped_storage().data_ptr() for t in exclude}
+        excluded = list(exclude)
+        self._excluded = {t.untyped_storage().data_ptr() for t in excluded}
+        self._parameters = {id(t) for t in excluded}
         self._refs: dict[tuple[int, int], int] = {}
         """Reference counts of live saved views, keyed by (address, bytes)."""
         self.live_bytes = 0
@@ -52,7 +85,7 @@ class SavedTensorMeter:
         self._hooks.__exit__(kind, value, tb)
 
     def _pack(self, t: Tensor) -> _Saved | Tensor:
-        if t.untyped_storage().data_ptr() in self._excluded:
+        if t.untyped_storage().data_ptr() in self._excluded or _casts_parameter(t, self._parameters):
             return t
         # detached: a saved output holding its own grad_fn would keep its graph alive in a reference cycle
         # that only running the backward without retain_graph breaks

@@ -61,8 +61,11 @@ def profile_layers(
     the tensors it saves, which the last stage keeps per in-flight micro-batch); otherwise the last
     layer's backward starts from a gradient of ones.
 
+    Under ``torch.autocast`` the layers run as they will in training under it (a mixed-precision run's
+    ``precision.forward_context()``): its dtype is part of the profile's cache key and of its ``meta``.
+
     With ``cache_dir``, a profile measured earlier for the same layers (structure and parameter
-    shapes), input shape and dtype, model dtype, device and torch version is returned from disk.
+    shapes), input shape and dtype, model dtype, autocast, device and torch version is returned from disk.
     """
     context = dict(example_context or {})
     key = _cache_key(
@@ -95,7 +98,12 @@ def profile_layers(
         microbatch_size=leaves[0].shape[0],
         device=torch.cuda.get_device_name(device) if device.type == "cuda" else device.type,
         dtype=dtype_name,
-        meta={"cache_key": key, "torch": torch.__version__, "input_shape": list(leaves[0].shape)},
+        meta={
+            "cache_key": key,
+            "torch": torch.__version__,
+            "input_shape": list(leaves[0].shape),
+            "autocast": _autocast(device),
+        },
     )
     if cached is not None:
         cached.parent.mkdir(parents=True, exist_ok=True)
@@ -121,6 +129,7 @@ def _cache_key(
         ],
         "input": _shapes(examples),
         "dtype": str(dtype),
+        "autocast": _autocast(device),
         "device": torch.cuda.get_device_name(device) if device.type == "cuda" else device.type,
         "torch": torch.__version__,
         "repetitions": [warmup, repeat],
@@ -130,6 +139,13 @@ def _cache_key(
         else [getattr(loss_fn, "__qualname__", repr(loss_fn)), _shapes(example_target)],
     }
     return hashlib.sha256(json.dumps(described, sort_keys=True).encode()).hexdigest()
+
+
+def _autocast(device: torch.device) -> str | None:
+    """The dtype ``torch.autocast`` casts to on ``device`` now, ``None`` outside autocast."""
+    if not torch.is_autocast_enabled(device.type):
+        return None
+    return str(torch.get_autocast_dtype(device.type)).removeprefix("torch.")
 
 
 def _shapes(tree: Any) -> str:

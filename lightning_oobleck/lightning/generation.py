@@ -109,7 +109,8 @@ class JobPlanner:
             inputs, context = self.precision.convert_input(
                 pytree.tree_map(lambda t: t[:1].expand(b, *t.shape[1:]).clone(), (inputs, context))
             )
-            with self.precision.tensor_init_context():
+            # layers built as the run builds them, run as its steps run them (autocast under "bf16-mixed")
+            with self.precision.tensor_init_context(), self.precision.forward_context():
                 profile = profile_layers(
                     layer_source(module),
                     inputs,

@@ -16,6 +16,7 @@ Build the model from its config on the meta device (``configure_layers`` is call
 from __future__ import annotations
 
 import copy
+import inspect
 from typing import Any
 
 import torch
@@ -23,6 +24,13 @@ from torch import Tensor, nn
 from torch.nn import functional as F
 from transformers import PreTrainedModel
 from transformers.masking_utils import create_causal_mask
+
+_CACHE_ARGUMENT = (
+    "cache" if "cache" in inspect.signature(create_causal_mask).parameters else "past_key_values"
+)
+NO_CACHE = {_CACHE_ARGUMENT: None}
+"""``create_causal_mask``'s "no key-value cache" argument: ``past_key_values`` until transformers renamed it
+``cache`` (5.17 has the old name, 5.24 the new)."""
 
 
 class _ModelLayer(nn.Module):
@@ -70,8 +78,8 @@ class Block(_ModelLayer):
             config=self._model.config,
             inputs_embeds=hidden,
             attention_mask=attention_mask,
-            cache=None,
             position_ids=positions,
+            **NO_CACHE,
         )
         extra: dict[str, Any] = {}
         if self.rotary is not None:

@@ -24,17 +24,21 @@ stage, and the line is optimistic (0.64 of the simulation at ``m = 1`` on 8 stag
 model that range separately.
 
 Memory of stage ``s`` of ``S``: ``(parameter bytes) * state_factor`` for parameters, gradients and
-optimizer state, plus the activations of the micro-batches the schedule keeps in flight on that stage
-(:func:`~lightning_oobleck.planning.schedules.in_flight_limit`: ``min(S - s, m)`` for 1F1B, where stage 0
-holds the most; ``min(S, m)`` on every stage for ZB-H1). Templates are checked with ``m >= S`` (the worst
-case), so they stay feasible whatever batch they are given later.
+optimizer state, plus the larger of two: the activations of the micro-batches the schedule keeps in flight
+on that stage (:func:`~lightning_oobleck.planning.schedules.in_flight_limit`: ``min(S - s, m)`` for 1F1B,
+where stage 0 holds the most; ``min(S, m)`` on every stage for ZB-H1), and the optimizer step's temporaries
+(:data:`OPTIMIZER_STEP_TEMPORARIES` times the parameter bytes; the step runs once every activation is
+freed). A micro-batch in flight keeps what the stage's layers save for the backward and the stage's output,
+which the executor keeps as the root of the micro-batch's backward (the last stage keeps the loss instead,
+whose saved tensors its profile counts). Templates are checked with ``m >= S`` (the worst case), so they
+stay feasible whatever batch they are given later.
 
 Activation recomputation (``activation_checkpointing``): a recomputing stage keeps, per in-flight
 micro-batch, only each layer's input (the output of the layer before it; the pipeline's own input is not
-counted) instead of every tensor its layers save, plus the saved tensors of the one layer being recomputed
-at a time; it runs each forward twice (``compute + forward``). ``True`` recomputes on every stage,
-``"auto"`` only on the stages of a split that would not fit the device otherwise (per stage, in the
-template search), ``False`` never.
+counted) and the stage's output (on the last stage, the logits the loss keeps) instead of every tensor its
+layers save, plus the saved tensors of the one layer being recomputed at a time; it runs each forward twice
+(``compute + forward``). ``True`` recomputes on every stage, ``"auto"`` only on the stages of a split that
+would not fit the device otherwise (per stage, in the template search), ``False`` never.
 
 Gradient synchronisation: each layer's gradient is all-reduced across the ``k`` pipelines holding a
 replica (ring all-reduce over the inter-node network)::
@@ -54,7 +58,7 @@ from numpy.typing import ArrayLike
 
 from lightning_oobleck.planning.cluster import ClusterSpec
 from lightning_oobleck.planning.plan import PipelineTemplate
-from lightning_oobleck.planning.profile import ModelProfile
+from lightning_oobleck.planning.profile import DTYPE_BYTES, ModelProfile
 from lightning_oobleck.planning.schedules import (
     Action,
     Op,
@@ -68,13 +72,31 @@ from lightning_oobleck.planning.schedules import (
 )
 
 
-def default_state_factor(dtype: str) -> float:
+def default_state_factor(profile: ModelProfile) -> float:
     """Bytes of parameter + gradient + Adam state per byte of parameters.
 
-    Mixed precision (16-bit parameters): 2 + 2 (param, grad) + 12 (float32 master, m, v) = 16 bytes per
-    2-byte parameter, a factor of 8. Full precision: param, grad, m, v, a factor of 4.
+    A synthetic profile (sizing a cluster, as the paper does) assumes Megatron-style mixed precision for
+    16-bit parameters: 2 + 2 (param, grad) + 12 (float32 master, m, v) = 16 bytes per 2-byte parameter, a
+    factor of 8; full precision: param, grad, m, v, a factor of 4.
+
+    A measured profile describes a run of this package: torch's optimizers keep their state in the
+    parameters' dtype (AdamW: param, grad, m, v, a factor of 4 whatever the dtype), and under autocast
+    (``meta["autocast"]``, a ``"bf16-mixed"`` run) each parameter also has one cached 16-bit cast for the
+    step (:mod:`lightning_oobleck.execution.memory`): 2 more bytes per 4-byte parameter, 4.5.
     """
-    return 8.0 if dtype in ("float16", "bfloat16") else 4.0
+    if profile.device == "synthetic":
+        return 8.0 if profile.dtype in ("float16", "bfloat16") else 4.0
+    autocast = profile.meta.get("autocast")
+    cast = DTYPE_BYTES[autocast] / profile.dtype_bytes if autocast in DTYPE_BYTES else 0.0
+    return 4.0 + cast
+
+
+OPTIMIZER_STEP_TEMPORARIES = 1.0
+"""Bytes the optimizer step allocates for its duration, per parameter byte: AdamW's multi-tensor step
+(``foreach``, torch's default on GPUs) computes the denominator ``sqrt(v) + eps`` of every parameter at once,
+one temporary as large as the parameters (measured with :class:`~lightning_oobleck.testing.LiveTensorMeter`
+on torch 2.11 and 2.13: 1.0 for float32 and bfloat16 parameters; 0.5 with the per-parameter step of the CPU's
+default, for four parameters of one size). ``benchmarks/gpu_check.py`` measures it on a GPU."""
 
 
 ActivationCheckpointing = bool | Literal["auto"]
@@ -114,7 +136,7 @@ class CostModel:
         self.profile = profile
         self.cluster = cluster
         self.activation_checkpointing = activation_checkpointing
-        self.state_factor = default_state_factor(profile.dtype) if state_factor is None else state_factor
+        self.state_factor = default_state_factor(profile) if state_factor is None else state_factor
         layers = profile.layers
 
         def prefix(values: list[float]) -> np.ndarray:
@@ -130,6 +152,9 @@ class CostModel:
         # the input each layer keeps when recomputing: the output of the layer before it
         self._inputs = prefix([0.0] + [la.output_activation_bytes for la in layers[:-1]])
         self._saved = np.asarray([la.activation_bytes for la in layers], dtype=np.float64)
+        # the output a stage ending before layer j keeps per in-flight micro-batch (indexed by j)
+        self._kept_output = np.concatenate(([0.0], self._outputs[:-1], [0.0]))
+        self._kept_output_recomputing = np.concatenate(([0.0], self._outputs))
 
     @property
     def num_layers(self) -> int:
@@ -174,8 +199,21 @@ class CostModel:
     ) -> float:
         """Peak memory of stage ``stage`` of ``num_stages``; ``microbatches=None`` means ``m >= S``."""
         in_flight = in_flight_limit(self.schedule, num_stages, stage, microbatches or num_stages)
-        activations = self._activations[end] - self._activations[first]
-        return float(self.parameter_bytes(first, end) * self.state_factor + activations * in_flight)
+        params = self.parameter_bytes(first, end)
+        held = self.held_bytes(first, end) * in_flight
+        return float(params * self.state_factor + max(held, self.step_bytes(params)))
+
+    def held_bytes(self, first: int, end: int, recompute: bool = False) -> float:
+        """Bytes one in-flight micro-batch keeps on a stage holding ``[first, end)``: every tensor its layers
+        save for the backward, or, recomputing, each layer's input (see the module docstring)."""
+        if recompute:
+            return float(self._inputs[end] - self._inputs[first] + self._kept_output_recomputing[end])
+        return float(self._activations[end] - self._activations[first] + self._kept_output[end])
+
+    @staticmethod
+    def step_bytes(parameter_bytes: ArrayLike) -> np.ndarray:
+        """The optimizer step's temporaries for ``parameter_bytes`` of parameters."""
+        return np.asarray(parameter_bytes) * OPTIMIZER_STEP_TEMPORARIES
 
     @staticmethod
     def pipeline_time_s(stage_times: np.ndarray | list[float], microbatches: int) -> float:
@@ -302,17 +340,19 @@ class CostModel:
         """``M[s, i, j]``: peak memory of ``[i, j)`` as stage ``s`` with ``m >= S``, recomputing."""
         n = self.num_layers + 1
         params = self._params[None, :] - self._params[:, None]
-        inputs = self._inputs[None, :] - self._inputs[:, None]
+        inputs = self._inputs[None, :] - self._inputs[:, None] + self._kept_output_recomputing[None, :]
         peak = np.zeros((n, n))  # the saved tensors of the largest layer of [i, j), alive while recomputed
         for i in range(n - 1):
             peak[i, i + 1 :] = np.maximum.accumulate(self._saved[i:])
-        return params[None] * self.state_factor + inputs[None] * self._in_flight(num_stages) + peak[None]
+        held = inputs[None] * self._in_flight(num_stages) + peak[None]
+        return params[None] * self.state_factor + np.maximum(held, self.step_bytes(params)[None])
 
     def stage_memory_matrices(self, num_stages: int) -> np.ndarray:
         """``M[s, i, j]`` = :meth:`stage_memory_bytes` of ``[i, j)`` as stage ``s`` with ``m >= S``."""
         params = self._params[None, :] - self._params[:, None]
-        acts = self._activations[None, :] - self._activations[:, None]
-        return params[None] * self.state_factor + acts[None] * self._in_flight(num_stages)
+        acts = self._activations[None, :] - self._activations[:, None] + self._kept_output[None, :]
+        held = acts[None] * self._in_flight(num_stages)
+        return params[None] * self.state_factor + np.maximum(held, self.step_bytes(params)[None])
 
     def _in_flight(self, num_stages: int) -> np.ndarray:
         """Micro-batches in flight on each stage with ``m >= S``, shaped to broadcast over ``[s, i, j]``."""

@@ -1,5 +1,6 @@
 """Utilities for tests, benchmarks and drills: emulated devices (pipelines on machines without the devices
-they model) and the named fault points (make a worker crash, hang, fail or slow down at a chosen moment)."""
+they model), the named fault points (make a worker crash, hang, fail or slow down at a chosen moment), and
+the bytes of live tensors on the CPU (memory checks that run the code a GPU runs)."""
 
 from lightning_oobleck.execution.faults import (
     FAULTS_ENV,
@@ -11,6 +12,7 @@ from lightning_oobleck.execution.faults import (
     disarm,
 )
 from lightning_oobleck.testing.emulated import DeviceTimes, EmulatedLayer, emulated_layers, emulated_profile
+from lightning_oobleck.testing.memory import LiveTensorMeter
 
 __all__ = [
     "FAULTS_ENV",
@@ -19,6 +21,7 @@ __all__ = [
     "Fault",
     "FaultAction",
     "FaultPoint",
+    "LiveTensorMeter",
     "arm",
     "armed",
     "disarm",

@@ -15,7 +15,7 @@ from torch import Tensor
 from lightning_oobleck.execution import PeerFailure, PipelineEngine, ProcessGroups, build_reference_model
 from lightning_oobleck.execution.memory import SavedTensorMeter
 from lightning_oobleck.planning.plan import Plan
-from lightning_oobleck.testing import DeviceTimes, emulated_layers
+from lightning_oobleck.testing import DeviceTimes, LiveTensorMeter, emulated_layers
 
 CONFIG = GPTConfig(vocab_size=32, seq_len=8, d_model=16, n_heads=2, n_blocks=4)
 SEED = 7
@@ -155,11 +155,6 @@ def leave_groups(store: dist.Store, state: dict[str, Any]) -> bool:
     return state.pop("groups").destroyed
 
 
-def set_index(store: dist.Store, state: dict[str, Any], index: int) -> int:
-    state["index"] = index
-    return index
-
-
 def emulated_steps(
     store: dist.Store, state: dict[str, Any], plan: Plan, generation: int, steps: int
 ) -> float:
@@ -197,3 +192,41 @@ executor's own work around each action (about 1 ms with 8 processes on 2 cores) 
 
 def emulated_loss(output: Tensor, target: Tensor) -> Tensor:
     return ((output - target) ** 2).mean()
+
+
+WIDE = 128
+"""The width of :func:`fp32_boundary_layers`: a micro-batch's activation is ``rows * WIDE`` elements."""
+
+
+class Float32Output(torch.nn.Module):
+    """A linear layer whose output leaves in float32 under autocast, as a transformer block's residual sum
+    does: the next stage's first matrix product casts it to bfloat16."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = torch.nn.Linear(WIDE, WIDE)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.fc(x).float()
+
+
+def fp32_boundary_layers() -> list[torch.nn.Module]:
+    return [Float32Output(), torch.nn.Linear(WIDE, WIDE)]
+
+
+def bytes_alive_after_a_step(store: dist.Store, state: dict[str, Any], plan: Plan, generation: int) -> int:
+    """One training step under bfloat16 autocast as ``plan.workers[index]`` of :func:`fp32_boundary_layers`:
+    the bytes of tensors still alive once it returned, inside the autocast region, but for the batch's."""
+    worker = plan.workers[state["index"]]
+    groups = ProcessGroups(plan, worker, store, generation, timeout=timedelta(seconds=30))
+    try:
+        batch = torch.randn(plan.global_batch_size, WIDE, generator=torch.Generator().manual_seed(0))
+        with LiveTensorMeter() as meter, torch.autocast("cpu", torch.bfloat16):
+            engine = PipelineEngine(fp32_boundary_layers, lambda y, t: (y - t).pow(2).mean(), groups, CPU)
+            engine.train_step(
+                batch[engine.batch_slice] if engine.is_first_stage else None,
+                batch[engine.batch_slice] if engine.is_last_stage else None,
+            )
+            return meter.live_bytes - batch.untyped_storage().nbytes()
+    finally:
+        groups.destroy()

@@ -9,7 +9,7 @@ from collections.abc import Iterator
 import exec_workloads as wl
 import pytest
 import torch
-from dist_harness import WorkerPool, plan_from_splits
+from dist_harness import WorkerPool, indexed_pool, plan_from_splits, set_index
 
 from lightning_oobleck.execution import profile_layers
 from lightning_oobleck.execution.grad_sync import DEFAULT_BUCKET_CAP_BYTES
@@ -39,12 +39,8 @@ PROCESSES = 6
 
 @pytest.fixture(scope="module")
 def pool() -> Iterator[WorkerPool]:
-    workers = WorkerPool(PROCESSES)
-    try:
-        workers.run({i: (wl.set_index, (i,)) for i in range(PROCESSES)}, timeout=120)
+    with indexed_pool(PROCESSES) as workers:
         yield workers
-    finally:
-        workers.close()
 
 
 @pytest.fixture(scope="module")
@@ -144,7 +140,7 @@ def test_a_killed_peer_raises_peer_failure_at_once_without_abort(pool: WorkerPoo
     """
     plan = plan_from_splits([[(0, 3), (3, 6)]], [6], MICROBATCH)
     first, second = PROCESSES - 2, PROCESSES - 1
-    pool.run({first: (wl.set_index, (0,)), second: (wl.set_index, (1,))}, timeout=30)
+    pool.run({first: (set_index, (0,)), second: (set_index, (1,))}, timeout=30)
     pool.run({i: (wl.join_groups, (plan, 200, 30.0)) for i in (first, second)}, timeout=60)
     pool.signal(second, signal.SIGKILL)
     outcome = pool.run({first: (wl.blocked_step, (None,))}, timeout=60)[first]

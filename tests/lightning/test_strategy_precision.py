@@ -9,7 +9,10 @@ import pytest
 import torch
 from pipeline_testing import GLOBAL_BATCH, MICRO, TinyNet, reference_train_loader, train_loader, val_loader
 
+from lightning_oobleck.execution import profile_layers
 from lightning_oobleck.lightning import OobleckStrategy
+from lightning_oobleck.lightning.strategy import PROFILE_CACHE
+from lightning_oobleck.planning.profile import ModelProfile
 
 SEED, STEPS = 5, 3
 
@@ -62,10 +65,8 @@ class ProfiledNet(TinyNet):
         self.example_input_array = torch.zeros(1, 4)
 
 
-@pytest.mark.timeout(120)
-def test_a_float32_example_input_plans_under_64_true(tmp_path: Path) -> None:
-    """The automatic plan profiles the layers in the precision's dtype: float32 example inputs (and float32
-    data) train float64 weights under ``precision="64-true"``."""
+def planned_fit(precision: str, steps: int, root: Path) -> tuple[L.Trainer, ProfiledNet]:
+    """Fit :class:`ProfiledNet` on 2 processes under ``precision``, planned automatically (profiled)."""
     strategy = OobleckStrategy(
         global_batch_size=GLOBAL_BATCH, microbatch_size=MICRO, fault_tolerance=1, start_method="forkserver"
     )
@@ -73,15 +74,38 @@ def test_a_float32_example_input_plans_under_64_true(tmp_path: Path) -> None:
         accelerator="cpu",
         devices=2,
         strategy=strategy,
-        precision="64-true",
-        max_steps=2,
+        precision=precision,
+        max_steps=steps,
         logger=False,
         enable_checkpointing=False,
         enable_progress_bar=False,
         enable_model_summary=False,
-        default_root_dir=tmp_path,
+        default_root_dir=root,
     )
     model = ProfiledNet()
     trainer.fit(model, train_loader(torch.float32))
+    return trainer, model
+
+
+@pytest.mark.timeout(120)
+def test_a_float32_example_input_plans_under_64_true(tmp_path: Path) -> None:
+    """The automatic plan profiles the layers in the precision's dtype: float32 example inputs (and float32
+    data) train float64 weights under ``precision="64-true"``."""
+    trainer, model = planned_fit("64-true", 2, tmp_path)
     assert trainer.global_step == 2
     assert model.state_dict()["layers.0.weight"].dtype == torch.float64
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(120)
+def test_bf16_mixed_plans_from_layers_profiled_as_its_steps_run_them(tmp_path: Path) -> None:
+    """Under ``bf16-mixed`` the layers are profiled under the run's autocast, so the plan counts the
+    bfloat16 tensors the steps keep for the backward, not the float32 ones a plain forward would."""
+    planned_fit("bf16-mixed", 1, tmp_path)
+    [cached] = (tmp_path / PROFILE_CACHE).glob("profile-*.json")
+    profile = ModelProfile.load(cached)
+    assert profile.meta["autocast"] == "bfloat16"
+    assert profile.dtype == "float32"  # the parameters, which the optimizer steps
+    plain = profile_layers(ProfiledNet().configure_layers(), torch.zeros(MICRO, 4), torch.device("cpu"))
+    # the last Linear saves its input, cast to bfloat16 under autocast: half the bytes of the float32 one
+    assert profile.layers[5].activation_bytes * 2 == plain.layers[5].activation_bytes

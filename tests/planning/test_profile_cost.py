@@ -69,7 +69,9 @@ def test_links_inside_a_node_are_cheaper_and_stage_times_use_them() -> None:
 def test_1f1b_memory_keeps_min_of_remaining_stages_and_microbatches_in_flight() -> None:
     cost = CostModel(synthetic_gpt_profile(8), ClusterSpec(1, 1))
     params = cost.parameter_bytes(1, 3) * cost.state_factor
+    # what its layers save, and the stage's output, kept as the root of the micro-batch's backward
     acts = sum(layer.activation_bytes for layer in cost.profile.layers[1:3])
+    acts += cost.profile.layers[2].output_activation_bytes
     assert cost.stage_memory_bytes(1, 3, 0, 4) == pytest.approx(params + 4 * acts)
     assert cost.stage_memory_bytes(1, 3, 3, 4) == pytest.approx(params + acts)
     assert cost.stage_memory_bytes(1, 3, 0, 4, microbatches=2) == pytest.approx(params + 2 * acts)
