@@ -488,6 +488,7 @@ def main(argv: list[str] | None = None) -> int:
     if device.type == "cuda":
         if not torch.cuda.is_available():
             parser.error("no CUDA device here: run it on a GPU machine, or pass --device cpu --small")
+        device = torch.device("cuda", device.index or 0)
         torch.cuda.set_device(device)
     torch.manual_seed(0)
     started = time.monotonic()

@@ -65,14 +65,18 @@ class ProfiledNet(TinyNet):
         self.example_input_array = torch.zeros(1, 4)
 
 
-def planned_fit(precision: str, steps: int, root: Path) -> tuple[L.Trainer, ProfiledNet]:
-    """Fit :class:`ProfiledNet` on 2 processes under ``precision``, planned automatically (profiled)."""
+def planned_fit(precision: str, steps: int, root: Path, devices: int = 2) -> tuple[L.Trainer, ProfiledNet]:
+    """Fit :class:`ProfiledNet` on ``devices`` processes under ``precision``, planned automatically
+    (profiled)."""
     strategy = OobleckStrategy(
-        global_batch_size=GLOBAL_BATCH, microbatch_size=MICRO, fault_tolerance=1, start_method="forkserver"
+        global_batch_size=GLOBAL_BATCH,
+        microbatch_size=MICRO,
+        fault_tolerance=devices - 1,
+        start_method="forkserver",
     )
     trainer = L.Trainer(
         accelerator="cpu",
-        devices=2,
+        devices=devices,
         strategy=strategy,
         precision=precision,
         max_steps=steps,
@@ -101,7 +105,7 @@ def test_a_float32_example_input_plans_under_64_true(tmp_path: Path) -> None:
 def test_bf16_mixed_plans_from_layers_profiled_as_its_steps_run_them(tmp_path: Path) -> None:
     """Under ``bf16-mixed`` the layers are profiled under the run's autocast, so the plan counts the
     bfloat16 tensors the steps keep for the backward, not the float32 ones a plain forward would."""
-    planned_fit("bf16-mixed", 1, tmp_path)
+    planned_fit("bf16-mixed", 1, tmp_path, devices=1)
     [cached] = (tmp_path / PROFILE_CACHE).glob("profile-*.json")
     profile = ModelProfile.load(cached)
     assert profile.meta["autocast"] == "bfloat16"
