@@ -68,8 +68,17 @@ def profile_layers(
     shapes), input shape and dtype, model dtype, autocast, device and torch version is returned from disk.
     """
     context = dict(example_context or {})
+    autocast = _autocast(device)
     key = _cache_key(
-        layers_or_factory, (example_input, context), device, dtype, warmup, repeat, loss_fn, example_target
+        layers_or_factory,
+        (example_input, context),
+        device,
+        dtype,
+        autocast,
+        warmup,
+        repeat,
+        loss_fn,
+        example_target,
     )
     cached = Path(cache_dir) / f"profile-{key[:20]}.json" if cache_dir is not None else None
     if cached is not None and cached.exists():
@@ -102,7 +111,7 @@ def profile_layers(
             "cache_key": key,
             "torch": torch.__version__,
             "input_shape": list(leaves[0].shape),
-            "autocast": _autocast(device),
+            "autocast": autocast,
         },
     )
     if cached is not None:
@@ -116,6 +125,7 @@ def _cache_key(
     examples: Any,
     device: torch.device,
     dtype: torch.dtype | None,
+    autocast: str | None,
     warmup: int,
     repeat: int,
     loss_fn: LossFn | None,
@@ -129,7 +139,7 @@ def _cache_key(
         ],
         "input": _shapes(examples),
         "dtype": str(dtype),
-        "autocast": _autocast(device),
+        "autocast": autocast,
         "device": torch.cuda.get_device_name(device) if device.type == "cuda" else device.type,
         "torch": torch.__version__,
         "repetitions": [warmup, repeat],
@@ -181,17 +191,17 @@ def _profile_layer(
     forward_s, input_s, weight_s = [], [], []
     for rep in range(warmup + repeat):
         with SavedTensorMeter(exclude=layer.parameters()) as meter:
-            (out, roots, leaves), t_fwd = _timed(forward, device)
+            (out, roots, leaves), t_fwd = timed(forward, device)
         saved_bytes = meter.live_bytes
         grads = [torch.ones_like(r) for r in roots]
         # as the executor splits a stage's backward (a layer with no input gradient: all of it in W)
-        kept, t_in = _timed(
+        kept, t_in = timed(
             lambda roots=roots, grads=grads, leaves=leaves: backward_input(
                 roots, grads, leaves, split, whole
             ),
             device,
         )
-        _, t_weight = _timed(lambda kept=kept: backward_weight(kept), device)
+        _, t_weight = timed(lambda kept=kept: backward_weight(kept), device)
         layer.zero_grad(set_to_none=True)
         if rep >= warmup:
             forward_s.append(t_fwd)
@@ -210,7 +220,7 @@ def _profile_layer(
     return profile, pytree.tree_map(lambda t: t.detach() if isinstance(t, Tensor) else t, out)
 
 
-def _timed(fn: Callable[[], T], device: torch.device) -> tuple[T, float]:
+def timed(fn: Callable[[], T], device: torch.device) -> tuple[T, float]:
     """Run ``fn`` and return its result and duration (CUDA events on a GPU, wall clock elsewhere)."""
     if device.type == "cuda":
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)

@@ -25,10 +25,9 @@ from torch.nn import functional as F
 from transformers import PreTrainedModel
 from transformers.masking_utils import create_causal_mask
 
-_CACHE_ARGUMENT = (
-    "cache" if "cache" in inspect.signature(create_causal_mask).parameters else "past_key_values"
-)
-NO_CACHE = {_CACHE_ARGUMENT: None}
+_NO_CACHE = {
+    "cache" if "cache" in inspect.signature(create_causal_mask).parameters else "past_key_values": None
+}
 """``create_causal_mask``'s "no key-value cache" argument: ``past_key_values`` until transformers renamed it
 ``cache`` (5.17 has the old name, 5.24 the new)."""
 
@@ -79,7 +78,7 @@ class Block(_ModelLayer):
             inputs_embeds=hidden,
             attention_mask=attention_mask,
             position_ids=positions,
-            **NO_CACHE,
+            **_NO_CACHE,
         )
         extra: dict[str, Any] = {}
         if self.rotary is not None:

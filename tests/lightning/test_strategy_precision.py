@@ -67,7 +67,8 @@ class ProfiledNet(TinyNet):
 
 def planned_fit(precision: str, steps: int, root: Path, devices: int = 2) -> tuple[L.Trainer, ProfiledNet]:
     """Fit :class:`ProfiledNet` on ``devices`` processes under ``precision``, planned automatically
-    (profiled)."""
+    (profiled), as a user runs it: Lightning's defaults on (logger, checkpoints, progress bar, model
+    summary), validation at the end."""
     strategy = OobleckStrategy(
         global_batch_size=GLOBAL_BATCH,
         microbatch_size=MICRO,
@@ -80,14 +81,12 @@ def planned_fit(precision: str, steps: int, root: Path, devices: int = 2) -> tup
         strategy=strategy,
         precision=precision,
         max_steps=steps,
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
+        val_check_interval=steps,
+        num_sanity_val_steps=0,
         default_root_dir=root,
     )
     model = ProfiledNet()
-    trainer.fit(model, train_loader(torch.float32))
+    trainer.fit(model, train_loader(torch.float32), val_loader(torch.float32))
     return trainer, model
 
 
