@@ -13,9 +13,14 @@ the same rank to a real SIGKILL at the same step:
   first step of the resumed run.
 
 It also reports the throughput (samples/s) after losing 1 of N nodes against (N-1)/N of the throughput
-before. Each configuration runs in its own ``python`` process.
+before, and how much state the recovery copied and how fast. Each configuration runs in its own ``python``
+process. ``--d-model``/``--blocks``/``--seq-len`` size the GPT (the tiny default copies a few MB); a model
+whose lost stage holds GBs runs the pipelines alone (``--layouts pipelines --no-ddp``: every data-parallel
+or DDP worker would hold the whole model).
 
     python benchmarks/recovery.py [--devices 6] [--steps 30] [--kill-at-step 10] [--kill-rank 1]
+    python benchmarks/recovery.py --d-model 1536 --blocks 8 --seq-len 8 --layouts pipelines --no-ddp \
+        --steps 8 --kill-at-step 4
 """
 
 from __future__ import annotations
@@ -90,12 +95,14 @@ def train(args: argparse.Namespace, clock_type: type[Clock] = Clock) -> None:
     ``args.rejoin_after_s``, if there: a new node replaces the dead one that long after its death."""
     out = Path(args.out)
     clock = clock_type(out, args.strategy, args.kill_rank, args.kill_at_step)
+    model = model_of(args)
     text = make_corpus(200_000, 0)
-    data = CharWindows(text, MODEL["seq_len"])
+    data = CharWindows(text, model["seq_len"])
     if args.strategy in LAYOUTS:
-        # "pipelines": the planner's layout when a device holds only part of the model; "data-parallel":
-        # when a device holds the whole model, the planner makes one-stage pipelines: nothing to copy.
-        memory = 3.5e6 if args.strategy == "pipelines" else 1e12
+        # "pipelines": the planner's layout when a device holds only part of the model (3.5 MB for the
+        # default GPT, in proportion for others); "data-parallel": when a device holds the whole model, the
+        # planner makes one-stage pipelines: nothing to copy.
+        memory = 3.5e6 * parameters(model) / parameters(MODEL) if args.strategy == "pipelines" else 1e12
         strategy: Any = OobleckStrategy(
             global_batch_size=GLOBAL_BATCH,
             microbatch_size=MICRO,
@@ -123,10 +130,27 @@ def train(args: argparse.Namespace, clock_type: type[Clock] = Clock) -> None:
         enable_model_summary=False,
         default_root_dir=out,
     )
-    trainer.fit(GPT(MODEL, OPTIM), loader, ckpt_path=args.resume)
+    trainer.fit(GPT(model, OPTIM), loader, ckpt_path=args.resume)
 
 
-def run(strategy: str, out: Path, devices: int, steps: int, kill: tuple[int, int], resume: str | None) -> int:
+def model_of(args: argparse.Namespace) -> dict[str, int]:
+    """The GPT's size: :data:`MODEL` with the command line's ``--d-model``, ``--blocks``, ``--seq-len``."""
+    return {**MODEL, "d_model": args.d_model, "n_blocks": args.blocks, "seq_len": args.seq_len}
+
+
+def parameters(model: dict[str, int]) -> int:
+    with torch.device("meta"):
+        return sum(p.numel() for layer in GPT(model, OPTIM).configure_layers() for p in layer.parameters())
+
+
+def run(
+    args: argparse.Namespace,
+    strategy: str,
+    out: Path,
+    devices: int,
+    kill: tuple[int, int],
+    resume: str | None,
+) -> int:
     command = [
         sys.executable,
         __file__,
@@ -134,7 +158,10 @@ def run(strategy: str, out: Path, devices: int, steps: int, kill: tuple[int, int
         f"--strategy={strategy}",
         f"--out={out}",
         f"--devices={devices}",
-        f"--steps={steps}",
+        f"--steps={args.steps}",
+        f"--d-model={args.d_model}",
+        f"--blocks={args.blocks}",
+        f"--seq-len={args.seq_len}",
         f"--kill-rank={kill[0]}",
         f"--kill-at-step={kill[1]}",
         *([f"--resume={resume}"] if resume else []),
@@ -160,6 +187,9 @@ def failure_parser(doc: str | None, steps: int) -> argparse.ArgumentParser:
     parser.add_argument("--steps", type=int, default=steps)
     parser.add_argument("--kill-rank", type=int, default=1)
     parser.add_argument("--kill-at-step", type=int, default=10)
+    parser.add_argument("--d-model", type=int, default=MODEL["d_model"], help="the GPT's width")
+    parser.add_argument("--blocks", type=int, default=MODEL["n_blocks"], help="the GPT's transformer blocks")
+    parser.add_argument("--seq-len", type=int, default=MODEL["seq_len"], help="tokens per sample")
     parser.add_argument("--train", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--out", help=argparse.SUPPRESS)
     return parser
@@ -169,6 +199,8 @@ def main() -> None:
     parser = failure_parser(__doc__, steps=30)
     parser.add_argument("--strategy", help=argparse.SUPPRESS)
     parser.add_argument("--resume", help=argparse.SUPPRESS)
+    parser.add_argument("--layouts", nargs="+", choices=LAYOUTS, default=list(LAYOUTS))
+    parser.add_argument("--no-ddp", action="store_true", help="skip the DDP restart baseline")
     args = parser.parse_args()
     if args.train:
         train(args)
@@ -177,11 +209,12 @@ def main() -> None:
     n, k_step = args.devices, args.kill_at_step
     kill = (args.kill_rank, k_step)
     oobleck: dict[str, dict[str, Any]] = {}
+    ddp_total: float | None = None
     with tempfile.TemporaryDirectory() as tmp:
-        for layout in LAYOUTS:
+        for layout in args.layouts:
             out = Path(tmp) / layout
             out.mkdir()
-            run(layout, out, n, args.steps, kill, None)
+            run(args, layout, out, n, kill, None)
             killed = float((out / "killed_at").read_text())
             _, recoveries = read_events(out / EVENTS_FILE)
             steps = steps_of(out / f"{layout}-steps.jsonl")
@@ -189,42 +222,52 @@ def main() -> None:
             first = min(s["time"] for s in steps if s["step"] > k_step)
             oobleck[layout] = {"killed": killed, "event": recoveries[0], "steps": steps, "first": first}
 
-        ddp = Path(tmp) / "ddp"
-        ddp.mkdir()
-        run("ddp", ddp, n, args.steps, kill, None)
-        ddp_killed = float((ddp / "killed_at").read_text())
-        ddp_down = time.time()  # the failed run's processes are gone when run() returns
-        (ddp / "killed_at").unlink()
-        run("ddp", ddp, n - 1, args.steps, (-1, -1), str(ddp / "ckpt" / "last.ckpt"))
-        ddp_steps = steps_of(ddp / "ddp-steps.jsonl")
-        ddp_first = min(s["time"] for s in ddp_steps if s["time"] > ddp_down)
-    ddp_total = ddp_first - ddp_killed
+        if not args.no_ddp:
+            ddp = Path(tmp) / "ddp"
+            ddp.mkdir()
+            run(args, "ddp", ddp, n, kill, None)
+            ddp_killed = float((ddp / "killed_at").read_text())
+            ddp_down = time.time()  # the failed run's processes are gone when run() returns
+            (ddp / "killed_at").unlink()
+            run(args, "ddp", ddp, n - 1, (-1, -1), str(ddp / "ckpt" / "last.ckpt"))
+            ddp_steps = steps_of(ddp / "ddp-steps.jsonl")
+            ddp_total = min(s["time"] for s in ddp_steps if s["time"] > ddp_down) - ddp_killed
+            ddp_teardown = ddp_down - ddp_killed
 
     console = Console()
     table = Table(
         title=f"Recovery after SIGKILL of rank {args.kill_rank} at step {k_step} ({n} CPU processes)"
     )
     table.add_column("", justify="left")
-    for layout in LAYOUTS:
+    for layout in oobleck:
         table.add_column(f"oobleck, {layout}", justify="right")
-    table.add_column("DDP restart from checkpoint", justify="right")
+    if ddp_total is not None:
+        table.add_column("DDP restart from checkpoint", justify="right")
     rows: dict[str, list[str]] = {"detection": [], **{f"  {p}": [] for p in PHASES[1:-1]}}
-    rows["failed run torn down"] = ["", "", f"{ddp_down - ddp_killed:.2f} s"]
-    rows.update({"kill -> first step completed after it": [], "speed-up": []})
+    rows["  state copied (GB, GB/s)"] = []
+    rows.update({"failed run torn down": [], "kill -> first step completed after it": [], "speed-up": []})
     for run_ in oobleck.values():
         event, killed = run_["event"], run_["killed"]
         phases = event.durations()
         rows["detection"].append(f"{((event.detected_at or killed) - killed) * 1e3:.0f} ms")
         for phase in PHASES[1:-1]:
             rows[f"  {phase}"].append(f"{phases.get(phase, 0.0) * 1e3:.0f} ms")
+        speed = event.copy_gb_per_s()
+        rows["  state copied (GB, GB/s)"].append(
+            f"{event.copied_bytes / 1e9:.3f}" + (f", {speed:.2f}" if speed is not None else "")
+        )
         total = run_["first"] - killed
+        rows["failed run torn down"].append("")
         rows["kill -> first step completed after it"].append(f"{total:.2f} s")
-        rows["speed-up"].append(f"{ddp_total / total:.1f}x")
-    rows["detection"].append("(launcher stops all)")
-    rows["kill -> first step completed after it"].append(f"{ddp_total:.2f} s")
-    rows["speed-up"].append("1x")
+        rows["speed-up"].append(f"{ddp_total / total:.1f}x" if ddp_total is not None else "")
+    if ddp_total is not None:
+        rows["failed run torn down"].append(f"{ddp_teardown:.2f} s")
+        rows["detection"].append("(launcher stops all)")
+        rows["kill -> first step completed after it"].append(f"{ddp_total:.2f} s")
+        rows["speed-up"].append("1x")
     for name, cells in rows.items():
-        table.add_row(name, *(cells + [""] * (len(LAYOUTS) + 1 - len(cells))))
+        if any(cells):
+            table.add_row(name, *(cells + [""] * (len(table.columns) - 1 - len(cells))))
     console.print(table)
 
     table = Table(title=f"Throughput after losing 1 of {n} nodes (oobleck)")

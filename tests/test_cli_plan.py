@@ -66,6 +66,9 @@ def test_replan_after_any_two_failures_keeps_every_layer_sourced(plan13: Path, c
         held = {n: set(layers) for n, layers in holders.items() if n not in failed}
         for c in data["copies"]:
             assert c["from_node"] not in failed and c["layer"] in holders[c["from_node"]]
+            assert c["replicas"] and all(
+                n not in failed and c["layer"] in holders[n] for n, _ in c["replicas"]
+            )
             held.setdefault(c["to_node"], set()).add(c["layer"])
         for p in data["pipelines"]:
             template = next(t for t in data["templates"] if t["nodes"] == p["template_nodes"])

@@ -212,8 +212,9 @@ def _pipelines_table(plan: Plan) -> Table:
 def _copies_table(result: Reconfiguration, shown: int = 20) -> Table:
     """The first ``shown`` copies; the JSON output has them all."""
     table = Table(title=f"Layer copies ({len(result.copies)}, first {min(shown, len(result.copies))} shown)")
-    for name in ("layer", "to node:gpu", "from node:gpu"):
+    for name in ("layer", "to node:gpu", "from node:gpu (striped over)"):
         table.add_column(name, justify="right")
     for c in result.copies[:shown]:
-        table.add_row(str(c.layer), f"{c.to_node}:{c.to_device}", f"{c.from_node}:{c.from_device}")
+        sources = ", ".join(f"{w.node}:{w.device}" for w in c.sources)
+        table.add_row(str(c.layer), f"{c.to_node}:{c.to_device}", sources)
     return table

@@ -1,7 +1,8 @@
 """Named fault points: where a drill (or a test) makes a worker fail, at a moment it names.
 
 The training code *reaches* a :class:`FaultPoint` at fixed moments (a layer's forward, a split backward's
-``I`` and ``W``, a gradient all-reduce issued, a step's commit, the state copy of a recovery, a checkpoint
+``I`` and ``W``, a gradient all-reduce issued, a step's commit, the state copy of a recovery (before it,
+each round of its chunks, after it), a checkpoint
 shard written, a joiner's admission) by calling :func:`reach`. A :class:`Fault` armed in the process
 (:func:`arm`, or the ``OOBLECK_FAULTS`` environment variable: a JSON list of faults, for a job submitted
 as it is) acts there once: it kills the process (SIGKILL, a crash), stops it (SIGSTOP, a hang), raises
@@ -50,6 +51,8 @@ class FaultPoint(str, enum.Enum):
     """The step's commit completed here: before the optimizer update."""
     STATE_COPY = "state_copy"
     """A recovery built the next generation's process groups here: before the state copy into them."""
+    COPY_CHUNK = "copy_chunk"
+    """A round of a state copy's chunks was issued here, data in flight, before it is waited for."""
     SWITCH = "switch"
     """A recovery's (or an admission's) state copy finished here: before the barrier that commits it."""
     CHECKPOINT = "checkpoint"

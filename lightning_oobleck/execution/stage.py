@@ -229,7 +229,7 @@ def build_stage(
     device: torch.device,
     seed: int = 0,
     dtype: torch.dtype | None = None,
-    init: LayerInit = reset_parameters,
+    init: LayerInit | None = reset_parameters,
     tied_values: bool = True,
 ) -> StageModule:
     """Materialise and initialise (``init``, seeded per layer) only ``layers`` of the model on ``device``.
@@ -237,7 +237,8 @@ def build_stage(
     A tied parameter starts from the value its canonical layer's initialisation gives it, on every stage
     that holds it (the canonical layer is built for the copy where it is held elsewhere).
     ``tied_values=False`` skips that copy, for a caller that needs the layers' shapes and speed but not
-    their values (profiling: only the layers asked for then exist)."""
+    their values (profiling: only the layers asked for then exist). ``init=None`` allocates the layers
+    without writing any value (a state copy writes them all)."""
     all_layers = resolve_layers(source)
     wanted = list(layers)
     missing = [i for i in wanted if not 0 <= i < len(all_layers)]
@@ -255,7 +256,7 @@ def build_stage(
     }
     for tie in ties:
         (first, name), (layer, held) = tie.members[0], next(m for m in tie.members if m[0] in built)
-        if first not in built and tied_values:
+        if first not in built and tied_values and init is not None:
             value = _materialise(all_layers[first], first, device, seed, dtype, init, set()).get_parameter(
                 name
             )
@@ -281,10 +282,13 @@ def _materialise(
     device: torch.device,
     seed: int,
     dtype: torch.dtype | None,
-    init: LayerInit,
+    init: LayerInit | None,
     tied_copies: set[str],
 ) -> nn.Module:
     on_meta = any(t.is_meta for t in chain(layer.parameters(), layer.buffers()))
+    if init is None:
+        layer = layer.to_empty(device=device) if on_meta else layer.to(device)
+        return layer if dtype is None else layer.to(dtype)
     if on_meta:
         integer = [n for n, b in layer.named_buffers() if not b.is_floating_point()]
         if integer:

@@ -167,9 +167,7 @@ def join_running_training(
 ) -> Admission:
     """This process joins a running training: wait to be admitted at a step boundary, then take its role in
     the new plan with the layers and optimizer state copied from live replicas."""
-    build_layers = partial(
-        build_stage, layer_source(module), device=device, seed=module.init_seed, init=module.init_layer
-    )
+    build_layers = partial(build_stage, layer_source(module), device=device, init=None)
     with precision.tensor_init_context():
         return join_training(
             agent, store, build_layers, device, agreement_timeout=agreement_timeout_s, **asdict(options)

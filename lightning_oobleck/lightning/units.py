@@ -40,6 +40,7 @@ from lightning.pytorch.loggers.csv_logs import ExperimentWriter
 from lightning.pytorch.utilities.exceptions import SIGTERMException
 from lightning.pytorch.utilities.model_helpers import is_overridden
 from lightning.pytorch.utilities.rank_zero import rank_zero_only
+from rich.filesize import decimal
 from torch import Tensor
 
 from lightning_oobleck.execution import faults
@@ -147,8 +148,6 @@ class LightningLoop:
             strategy.optimizers[0],
             layer_source(strategy.lightning_module),
             self,
-            seed=strategy.lightning_module.init_seed,
-            init=strategy.lightning_module.init_layer,
             dtype=next(engine.module.parameters()).dtype,
             backend=config.backend or backend_for(strategy.root_device),
             group_timeout=engine.groups.timeout,
@@ -420,17 +419,24 @@ class LightningLoop:
             continue_progress_bar(self.trainer)
         pipelines = counted(len(plan.pipelines), "pipeline")
         layout = f"{pipelines} on {len(plan.nodes)} nodes, f={plan.fault_tolerance}"
+        copied = ""
+        if (speed := event.copy_gb_per_s()) is not None:
+            senders = counted(event.copy_senders, "worker")
+            rate = decimal(int(speed * 1e9))
+            copied = f" ({decimal(event.copied_bytes)} of state copied from {senders} at {rate}/s)"
         if lost := sorted({node for node, _ in event.removed}):
             rank_zero_info(
                 f"oobleck: node(s) {self._named(lost)} lost at step {runner.progress.steps} "
                 f"[{event.cause}]; training goes on: {layout}, recovered in "
-                f"{event.durations().get('total', 0.0):.2f} s"
+                f"{event.durations().get('total', 0.0):.2f} s{copied}"
             )
         for warning in event.warnings:  # a line of the run's story, like the one above (no source path)
             rank_zero_info(f"oobleck: warning: {warning}")
         if joined := sorted({node for node, _ in event.added}):
             nodes = self._named(joined)
-            rank_zero_info(f"oobleck: node(s) {nodes} joined at step {runner.progress.steps}: {layout}")
+            rank_zero_info(
+                f"oobleck: node(s) {nodes} joined at step {runner.progress.steps}: {layout}{copied}"
+            )
 
     def _named(self, nodes: list[int]) -> str:
         """``1 (gpu-17), 3 (gpu-22)``: node ids with the hosts their workers reported, where that is not this

@@ -147,6 +147,18 @@ class LayerCopy:
     from_node: int
     to_device: int = 0
     from_device: int = 0
+    replicas: tuple[Worker, ...] = ()
+    """Every surviving worker that sends a share of the layer, the one above first (it also describes the
+    layer's optimizer state): the copy is striped over them by bytes. Empty: the one above alone."""
+
+    @property
+    def sources(self) -> tuple[Worker, ...]:
+        """The workers that send a share of the layer, the describing one first."""
+        return self.replicas or (Worker(self.from_node, self.from_device),)
+
+    @property
+    def receiver(self) -> Worker:
+        return Worker(self.to_node, self.to_device)
 
 
 @dataclass(frozen=True)

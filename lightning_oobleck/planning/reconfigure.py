@@ -20,15 +20,16 @@ them from the plan's ``next_node_id``). They form new pipelines (``n0`` or more)
 smallest pipelines that grow into a template size, whichever the cost model predicts faster. Failures and
 joins seen at once are one reconfiguration.
 
-The result carries the copy list: for every layer a worker must newly hold, a surviving worker that
-held it, preferring one on the same node and otherwise spreading the copies over the replicas.
+The result carries the copy list: for every layer a worker must newly hold, the surviving workers that
+send it. A replica on the receiver's node sends it alone (a copy inside a node does not cross the network);
+otherwise every replica sends a share, and the one that also describes the layer is the least loaded.
 """
 
 from __future__ import annotations
 
 import bisect
 import time
-from collections import Counter
+from collections import defaultdict
 from collections.abc import Iterable, Sequence
 from dataclasses import asdict, dataclass, replace
 from typing import Any
@@ -166,7 +167,7 @@ def _copies(plan: Plan, new_plan: Plan, held: dict[Worker, range]) -> tuple[Laye
             holders[layer] = found
         return holders[layer]
 
-    load: Counter[Worker] = Counter()
+    load: dict[Worker, float] = defaultdict(float)  # shares of layers sent
     copies = []
     unchanged = {(p.template, p.nodes) for p in plan.pipelines}
     for p in new_plan.pipelines:
@@ -180,11 +181,13 @@ def _copies(plan: Plan, new_plan: Plan, held: dict[Worker, range]) -> tuple[Laye
             for layer in stage.layers:
                 if kept is not None and layer in kept:
                     continue
-                sources = holders_of(layer)
-                local = [w for w in sources if w[0] == node]
-                src = local[0] if local else min(sources, key=lambda w: (load[w], w))
-                load[src] += 1
-                copies.append(LayerCopy(layer, node, src[0], device, src[1]))
+                live = holders_of(layer)
+                local = [w for w in live if w[0] == node]
+                src = local[0] if local else min(live, key=lambda w: (load[w], w))
+                replicas = (src,) if local else (src, *(w for w in live if w != src))
+                for w in replicas:
+                    load[w] += 1 / len(replicas)
+                copies.append(LayerCopy(layer, node, src[0], device, src[1], replicas))
     return tuple(copies)
 
 

@@ -6,9 +6,12 @@ A run's event file has one JSON object per line, each with a ``kind``:
   counted, ``time`` being its end (wall clock); ``oobleck timeline`` turns these into throughput.
 * ``{"kind": "recovery", "generation", "removed", "added", "cause", "failed_at", "detected_at",
   "agreed_at", "replanned_at", "rebuilt_at", "state_copied_at", "resumed_at", "fault_tolerance",
-  "warnings", "durations"}``: one failure (or join) and its recovery. The phases happen in that order;
-  each ``*_at`` is a wall-clock time, ``durations`` the time of each phase since the previous one
-  (``failed_at`` is only known when the failure was injected, e.g. by ``--kill-at-step``).
+  "warnings", "copied_bytes", "copy_senders", "durations", "copy_gb_per_s"}``: one failure (or join) and
+  its recovery. The phases happen in that order; each ``*_at`` is a wall-clock time, ``durations`` the time
+  of each phase since the previous one (``failed_at`` is only known when the failure was injected, e.g. by
+  ``--kill-at-step``). ``copied_bytes``: the layers and optimizer state every worker received, from
+  ``copy_senders`` workers; ``copy_gb_per_s``: those bytes over the ``state_copied`` phase (from the new
+  groups to the switch barrier, on the writer).
 
 One process should write a given file (the rank 0 of the current generation): lines are appended with
 one ``write`` each, so a writer killed mid-run never leaves half a line for the next one.
@@ -54,6 +57,10 @@ class RecoveryEvent:
     """The f the new plan tolerates (less than configured when too few nodes remain: see ``warnings``)."""
     warnings: list[str] = field(default_factory=list)
     """What the new plan warns of (f reduced, ...)."""
+    copied_bytes: int = 0
+    """Bytes of layers and optimizer state received by the workers of the new generation, together."""
+    copy_senders: int = 0
+    """How many workers sent a share of them (every surviving replica of a copied layer)."""
 
     @classmethod
     def from_membership(cls, membership: Membership) -> RecoveryEvent:
@@ -90,8 +97,19 @@ class RecoveryEvent:
             out["total"] = self.resumed_at - start
         return out
 
+    def copy_gb_per_s(self) -> float | None:
+        """How fast the state copy ran: the bytes received over the ``state_copied`` phase (``None``: no
+        copy)."""
+        seconds = self.durations().get("state_copied")
+        return self.copied_bytes / seconds / 1e9 if self.copied_bytes and seconds else None
+
     def to_record(self) -> dict[str, Any]:
-        return {"kind": "recovery", **asdict(self), "durations": self.durations()}
+        return {
+            "kind": "recovery",
+            **asdict(self),
+            "durations": self.durations(),
+            "copy_gb_per_s": self.copy_gb_per_s(),
+        }
 
 
 class EventLog:
@@ -133,6 +151,9 @@ class EventLog:
             metrics["recovery/nodes_joined"] = float(len({node for node, _ in event.added}))
             if event.fault_tolerance is not None:
                 metrics["recovery/fault_tolerance"] = float(event.fault_tolerance)
+            metrics["recovery/copied_gb"] = event.copied_bytes / 1e9
+            if (speed := event.copy_gb_per_s()) is not None:
+                metrics["recovery/copy_gb_per_s"] = speed
             self.logger.log_metrics(metrics, step=step)
 
     def _append(self, record: dict[str, Any]) -> None:

@@ -104,7 +104,7 @@ def join_training(
             )
             event.mark("rebuilt")
             faults.reach(faults.FaultPoint.ADMISSION, agent.worker)
-            module, state = transfer_state(
+            module, state, copied = transfer_state(
                 StageModule({}), {}, reconfiguration.copies, groups, build_layers, agent.abort, device
             )
         except PeerFailure as e:
@@ -113,7 +113,7 @@ def join_training(
                 groups.abort(str(e))
             continue
         try:
-            switch_barrier(groups, device, agent.abort)
+            event.copied_bytes, event.copy_senders = switch_barrier(groups, device, agent.abort, copied)
         except PeerFailure as e:
             raise UnrecoverableFailure(
                 f"a failure during this joiner's switch to generation {after} ({e}): the members may run its "

@@ -29,7 +29,7 @@ from lightning_oobleck.planning.reconfigure import Reconfiguration, Reconfigurat
 from lightning_oobleck.recovery.errors import UnrecoverableFailure
 from lightning_oobleck.recovery.events import RecoveryEvent
 from lightning_oobleck.recovery.protocol import Membership
-from lightning_oobleck.recovery.state_transfer import load_state_by_name
+from lightning_oobleck.recovery.state_transfer import CopyStats, load_state_by_name
 from lightning_oobleck.worker import Worker
 
 
@@ -66,10 +66,17 @@ def next_plan(
         return e
 
 
-def switch_barrier(groups: ProcessGroups, device: torch.device, abort: threading.Event) -> None:
-    """The barrier that commits a switch: its completion anywhere proves every member finished its copy."""
+def switch_barrier(
+    groups: ProcessGroups, device: torch.device, abort: threading.Event, copied: CopyStats
+) -> tuple[int, int]:
+    """The barrier that commits a switch: its completion anywhere proves every member finished its copy.
+    It also sums what the copy moved: the bytes every worker received, and how many workers sent."""
     faults.reach(faults.FaultPoint.SWITCH, groups.worker)
-    groups.all_reduce(torch.ones(1, device=device), abort)
+    totals = torch.tensor(
+        [copied.received_bytes, int(copied.sent_bytes > 0)], dtype=torch.float64, device=device
+    )
+    groups.all_reduce(totals, abort)
+    return int(totals[0].item()), int(totals[1].item())
 
 
 def adopt_copied_layout(

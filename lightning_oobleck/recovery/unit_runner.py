@@ -47,13 +47,7 @@ from lightning_oobleck.execution import faults
 from lightning_oobleck.execution.engine import PipelineEngine, StepResult
 from lightning_oobleck.execution.errors import PeerFailure
 from lightning_oobleck.execution.process_groups import ProcessGroups, join_generation
-from lightning_oobleck.execution.stage import (
-    LayerInit,
-    LayerSource,
-    StageModule,
-    build_stage,
-    reset_parameters,
-)
+from lightning_oobleck.execution.stage import LayerSource, StageModule, build_stage
 from lightning_oobleck.planning.reconfigure import ReconfigurationError
 from lightning_oobleck.recovery.admission import JoinPolicy, Progress, hand_over, request_admission
 from lightning_oobleck.recovery.agent import AgreementTimeout, WorkerAgent
@@ -122,11 +116,11 @@ class UnitRunner:
     """Runs a worker's units under the unit protocol and recovers them in place after failures.
 
     ``engine`` must wait on ``agent.abort`` (``PipelineEngine(..., abort=agent.abort)``) and
-    ``optimizer`` must hold exactly ``engine.module``'s parameters. ``layers``, ``seed``, ``dtype`` and
-    ``init`` are what the engine was built with (to materialise layers a worker receives: their values not in
-    the state copy, such as non-persistent buffers, come from the same initialisation). ``store`` is the
-    rendezvous store the process groups use, hosted outside the workers. ``group_timeout`` bounds every
-    wait of a generation (collectives, the store exchange, the arrival of every member at a switch).
+    ``optimizer`` must hold exactly ``engine.module``'s parameters. ``layers`` and ``dtype`` are what the
+    engine was built with (to allocate the layers a worker receives; the state copy writes them).
+    ``store`` is the rendezvous store the process groups use, hosted outside the workers.
+    ``group_timeout`` bounds every wait of a generation (collectives, the store exchange, the arrival of
+    every member at a switch).
     """
 
     def __init__(
@@ -138,9 +132,7 @@ class UnitRunner:
         layers: LayerSource,
         loop: TrainingLoop,
         *,
-        seed: int = 0,
         dtype: torch.dtype | None = None,
-        init: LayerInit = reset_parameters,
         backend: str = "gloo",
         group_timeout: timedelta = timedelta(seconds=30),
         agreement_timeout: float = 60.0,
@@ -177,9 +169,7 @@ class UnitRunner:
         self.last_event: RecoveryEvent | None = None
         """The newest recovery this worker took part in."""
         self.procedure = Procedure()
-        self._build_layers = partial(
-            build_stage, layers, device=engine.device, seed=seed, dtype=dtype, init=init
-        )
+        self._build_layers = partial(build_stage, layers, device=engine.device, dtype=dtype, init=None)
         self._copied: CopiedLayout | None = None
         self._switch: PendingSwitch | None = None
         self._pending_groups: ProcessGroups | None = None
@@ -410,7 +400,7 @@ class UnitRunner:
         )
         event.mark("rebuilt")
         faults.reach(faults.FaultPoint.STATE_COPY)
-        module, state = transfer_state(
+        module, state, copied = transfer_state(
             self.module,
             state_by_name(self.optimizer, self.module),
             reconfiguration.copies,
@@ -419,7 +409,9 @@ class UnitRunner:
             self.agent.abort,
         )
         self._copied = CopiedLayout(membership.generation, reconfiguration.plan, module, state)
-        switch_barrier(groups, self.engine.device, self.agent.abort)
+        event.copied_bytes, event.copy_senders = switch_barrier(
+            groups, self.engine.device, self.agent.abort, copied
+        )
         self._install(self._copied)
         self._copied = None
         event.mark("state_copied")

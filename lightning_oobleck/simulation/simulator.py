@@ -80,6 +80,10 @@ class Costs:
     """Checkpoint-restart: seconds between checkpoints; ``None``: Young/Daly for the trace's failure rate."""
     oobleck_checkpoint_interval_s: float = 3600.0
     """Oobleck: seconds between checkpoints, only needed when a failure leaves no layout to continue."""
+    state_copy_link_share: float = 0.85
+    """The share of a node's link that a state copy moves: ``benchmarks/state_copy.py`` measures 0.81-1.07 of
+    a raw send's speed for the streamed copy from one source (the serialised copy before it reached 0.14).
+    Charged to Oobleck's copies and to replica groups' heals alike."""
 
 
 @dataclass(frozen=True)
@@ -188,19 +192,22 @@ class _Clock:
         self.pending, self.pending_s = 0, 0.0
 
 
-def copy_time_s(copies: Iterable[LayerCopy], inputs: PlannerInputs) -> float:
-    """The state copy of a reconfiguration: each node sends and receives its layers' parameters and
-    optimizer state over its inter-node link; the busiest node's share."""
+def copy_time_s(copies: Iterable[LayerCopy], inputs: PlannerInputs, link_share: float = 1.0) -> float:
+    """The state copy of a reconfiguration: each node sends its share of its layers' parameters and
+    optimizer state (a layer is striped over the replicas that send it) and receives what it newly holds,
+    over its inter-node link at ``link_share`` of its bandwidth; the busiest node's time."""
     cost = inputs.cost()
     layer_bytes = [la.parameter_bytes * cost.state_factor for la in inputs.profile.layers]
     sent: dict[int, float] = {}
     received: dict[int, float] = {}
     for c in copies:
-        if c.from_node != c.to_node:
-            sent[c.from_node] = sent.get(c.from_node, 0.0) + layer_bytes[c.layer]
+        remote = [w.node for w in c.sources if w.node != c.to_node]
+        for node in remote:
+            sent[node] = sent.get(node, 0.0) + layer_bytes[c.layer] / len(c.sources)
+        if remote:
             received[c.to_node] = received.get(c.to_node, 0.0) + layer_bytes[c.layer]
     busiest = max([*sent.values(), *received.values()], default=0.0)
-    return busiest / inputs.cluster.inter_node_bandwidth if busiest else 0.0
+    return busiest / (inputs.cluster.inter_node_bandwidth * link_share)
 
 
 def state_bytes(inputs: PlannerInputs) -> float:
@@ -367,7 +374,8 @@ def simulate_oobleck(
     def switch(reconfiguration: Reconfiguration, started: float, pause_s: float) -> Plan:
         result.replan_s.append(time.perf_counter() - started)
         result.events += 1
-        clock.pause(pause_s + result.replan_s[-1] + copy_time_s(reconfiguration.copies, inputs))
+        copy_s = copy_time_s(reconfiguration.copies, inputs, costs.state_copy_link_share)
+        clock.pause(pause_s + result.replan_s[-1] + copy_s)
         restarts.start(reconfiguration.plan)
         return reconfiguration.plan
 
@@ -437,7 +445,7 @@ def simulate_replica_groups(
     live = [True] * len(groups)
     ready_at = [math.inf] * len(groups)  # when a restarted group can rejoin
     down: set[int] = set()
-    heal_s = {k: _group_state_s(plan, k, inputs) for k in range(len(groups))}
+    heal_s = {k: _group_state_s(plan, k, inputs, costs.state_copy_link_share) for k in range(len(groups))}
     batch = [p.microbatches * plan.microbatch_size for p in plan.pipelines]
 
     def rate() -> None:
@@ -491,8 +499,9 @@ def simulate_replica_groups(
     return _close(result, clock, sum(live))
 
 
-def _group_state_s(plan: Plan, group: int, inputs: PlannerInputs) -> float:
-    """Healing a group: each of its nodes receives its layers' state from a live group over its link."""
+def _group_state_s(plan: Plan, group: int, inputs: PlannerInputs, link_share: float) -> float:
+    """Healing a group: each of its nodes receives its layers' state from a live group over its link (at
+    ``link_share`` of its bandwidth)."""
     pipeline = plan.pipelines[group]
     cost = inputs.cost()
     per_node: dict[int, float] = {}
@@ -500,7 +509,7 @@ def _group_state_s(plan: Plan, group: int, inputs: PlannerInputs) -> float:
         node = pipeline.worker_of_stage(s)[0]
         nbytes = sum(inputs.profile.layers[i].parameter_bytes for i in stage.layers) * cost.state_factor
         per_node[node] = per_node.get(node, 0.0) + nbytes
-    return max(per_node.values()) / inputs.cluster.inter_node_bandwidth
+    return max(per_node.values()) / (inputs.cluster.inter_node_bandwidth * link_share)
 
 
 SIMULATORS: dict[PolicyName, Callable[[Plan, Trace, Costs, OnEvent], PolicyResult]] = {

@@ -1,6 +1,7 @@
 """Utilities for tests, benchmarks and drills: emulated devices (pipelines on machines without the devices
 they model), the named fault points (make a worker crash, hang, fail or slow down at a chosen moment), and
-the bytes of live tensors on the CPU (memory checks that run the code a GPU runs)."""
+the bytes of live tensors on the CPU (memory checks that run the code a GPU runs), and a process's peak
+resident memory over a block."""
 
 from lightning_oobleck.execution.faults import (
     FAULTS_ENV,
@@ -12,7 +13,7 @@ from lightning_oobleck.execution.faults import (
     disarm,
 )
 from lightning_oobleck.testing.emulated import DeviceTimes, EmulatedLayer, emulated_layers, emulated_profile
-from lightning_oobleck.testing.memory import LiveTensorMeter
+from lightning_oobleck.testing.memory import LiveTensorMeter, PeakResidentMemory
 
 __all__ = [
     "FAULTS_ENV",
@@ -22,6 +23,7 @@ __all__ = [
     "FaultAction",
     "FaultPoint",
     "LiveTensorMeter",
+    "PeakResidentMemory",
     "arm",
     "armed",
     "disarm",

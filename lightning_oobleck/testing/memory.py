@@ -1,5 +1,5 @@
 """The bytes of tensors alive, on any device: what ``torch.cuda.memory_allocated`` tells on a GPU, for runs on
-the CPU (whose allocator keeps no statistics).
+the CPU (whose allocator keeps no statistics); and the peak of a process's resident memory over a block.
 
 :class:`LiveTensorMeter` sees every tensor an operation creates while it is active (a dispatch mode) and
 counts each storage once until it is freed, whoever holds it: autograd's saved tensors, autocast's cache, a
@@ -10,6 +10,9 @@ Tensors made before it started count once :meth:`LiveTensorMeter.track` is given
 
 from __future__ import annotations
 
+import ctypes
+import ctypes.util
+import os
 from typing import Any
 
 import torch.utils._pytree as pytree
@@ -69,3 +72,38 @@ class LiveTensorMeter(TorchDispatchMode):
                 self._add(t)
         self._sweep()
         return out
+
+
+class PeakResidentMemory:
+    """Context manager: how far this process's resident memory rose above its level at the start
+    (:attr:`growth_bytes`), whatever allocated it (Python, torch, gloo's buffers, a serialiser's bytes).
+
+    Linux only (``/proc/self/clear_refs`` resets the kernel's peak). Allocations of 64 KiB or more are
+    mapped and unmapped on their own while it is active, so that memory freed inside the block is not reused
+    unseen by later allocations: the peak is what the block needed.
+    """
+
+    _MMAP_THRESHOLD = -3  # glibc's M_MMAP_THRESHOLD
+
+    def __init__(self) -> None:
+        self.growth_bytes = 0
+        self._start = 0
+
+    @staticmethod
+    def supported() -> bool:
+        return os.path.exists("/proc/self/clear_refs") and ctypes.util.find_library("c") is not None
+
+    def __enter__(self) -> PeakResidentMemory:
+        ctypes.CDLL(ctypes.util.find_library("c")).mallopt(self._MMAP_THRESHOLD, 1 << 16)
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")  # the peak resident size starts again from the current one
+        self._start = _status_kib("VmRSS")
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.growth_bytes = (_status_kib("VmHWM") - self._start) * 1024
+
+
+def _status_kib(field: str) -> int:
+    with open("/proc/self/status") as f:
+        return next(int(line.split()[1]) for line in f if line.startswith(field + ":"))

@@ -33,7 +33,9 @@ from lightning_oobleck.execution.checkpoint import (
     write_metadata,
     write_shard,
 )
+from lightning_oobleck.execution.stage import build_stage
 from lightning_oobleck.planning.plan import Pipeline, PipelineTemplate, Plan, Stage
+from lightning_oobleck.testing import PeakResidentMemory
 
 NUM_LAYERS = 6
 TRAIN_STEPS = 3
@@ -237,3 +239,20 @@ def test_layer_of_reads_the_global_index():
     assert layer_of("layers.7.attn.weight") == 7
     assert layer_of("optim.state.model.layers.12.mlp.layers.0.bias.exp_avg") == 12
     assert layer_of("model.head.weight") is None
+
+
+@pytest.mark.skipif(not PeakResidentMemory.supported(), reason="needs Linux's peak resident memory reset")
+def test_a_shard_goes_to_disk_without_a_copy_of_the_state(tmp_path: Path) -> None:
+    """A worker's shard (48 MiB of weights and AdamW state here) is written from the tensors themselves: the
+    process needs no second copy of its state on the way to disk (the survivors' checkpoint writes this way
+    while the run has lost nodes and memory may be tight)."""
+    module = build_stage(lambda: [nn.Linear(1024, 1024) for _ in range(4)], range(4), torch.device("cpu"))
+    optimizer = torch.optim.AdamW(module.parameters())
+    sum(p.sum() for p in module.parameters()).backward()
+    optimizer.step()
+    module.zero_grad(set_to_none=True)
+    state = sum(3 * p.numel() * p.element_size() for p in module.parameters())
+    write_shard(tmp_path / "first", module, [optimizer], "s0")  # code paths loaded once
+    with PeakResidentMemory() as memory:
+        write_shard(tmp_path / "second", module, [optimizer], "s0")
+    assert memory.growth_bytes < state / 8, f"{memory.growth_bytes / 2**20:.1f} MiB for {state / 2**20:.0f}"

@@ -3,6 +3,7 @@ pipelines, the plan table, training, validation and the final metrics."""
 
 from __future__ import annotations
 
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -44,5 +45,9 @@ def test_gpt_example_trains_validates_and_shows_a_node_dying_and_a_new_one_joini
     assert "KillAt: SIGKILL to rank 1" in output
     assert "starting node 4 to replace node 1" in output
     assert "oobleck: node(s) 4 joined at step" in output and "4 pipelines on 4 nodes, f=1" in output
+    # the joiner's layers came from the three replicas at once, and the line says how much and how fast
+    copied = r"joined at step \d+: 4 pipelines on 4 nodes, f=1 \([\d.]+ (bytes|kB|MB) of state copied "
+    copied += r"from (\d) workers at"
+    assert (line := re.search(copied, output)) and int(line[2]) > 1, output[-3000:]
     assert "Oobleck plan: 4 pipelines, f=1, global batch 8 = " in run.stdout
     assert "done: 150 steps" in run.stdout and "val_loss" in run.stdout

@@ -65,6 +65,11 @@ def check_reconfiguration(old: Plan, gone: set[int], result: Reconfiguration, ad
     held = {worker: set(layers) for worker, layers in before.items()}
     for c in result.copies:
         assert c.from_node in survivors and c.layer in before[(c.from_node, c.from_device)]
+        assert c.sources[0] == (c.from_node, c.from_device)
+        replicas = {w for w, layers in before.items() if c.layer in layers}
+        local = {w for w in replicas if w.node == c.to_node}
+        # a replica on the receiver's node sends alone; otherwise every surviving replica sends a share
+        assert len(c.sources) == 1 and set(c.sources) <= local if local else set(c.sources) == replicas
         held.setdefault((c.to_node, c.to_device), set()).add(c.layer)
     lacking = 0
     for p in new.pipelines:

@@ -191,10 +191,10 @@ def main() -> None:
             os.kill(os.getpid(), signal.SIGKILL)
 
         def build_layers(layers: Any) -> Any:
-            if ("kill-receive", 0) in faults:  # called once the layers' bytes arrived
+            if ("kill-receive", 0) in faults:  # called once the layers are described, before their data
                 report("fault", fault="kill-receive", at=0)
                 os.kill(os.getpid(), signal.SIGKILL)
-            return build_stage(model, layers, CPU, SEED, torch.float64)
+            return build_stage(model, layers, CPU, dtype=torch.float64, init=None)
 
         try:
             admission = join_training(agent, store, build_layers, CPU, group_timeout=GROUP_TIMEOUT)
@@ -235,7 +235,6 @@ def main() -> None:
         optimizer(engine.module.parameters()),
         model,
         host,
-        seed=SEED,
         dtype=torch.float64,
         group_timeout=GROUP_TIMEOUT,
         events=EventLog(args.events),

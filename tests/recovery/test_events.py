@@ -28,6 +28,7 @@ def test_a_recovery_reaches_the_jsonl_file_and_the_lightning_logger_with_its_pha
     event.failed_at = 99.5
     for phase, at in [("replanned", 100.5), ("rebuilt", 101.0), ("state_copied", 102.0), ("resumed", 104.0)]:
         event.mark(phase, at=at)
+    event.copied_bytes, event.copy_senders = 3_000_000_000, 2
     logger = CSVLogger(tmp_path, name="run", version=0)
     log = EventLog(tmp_path / "events" / "run.jsonl", logger=logger)
     log.step(7, samples=32, duration_s=0.5, generation=2, at=99.0)
@@ -47,11 +48,16 @@ def test_a_recovery_reaches_the_jsonl_file_and_the_lightning_logger_with_its_pha
     assert event.durations() == pytest.approx(expected)
     steps, (read_back,) = read_events(tmp_path / "events" / "run.jsonl")
     assert read_back == event and [s["step"] for s in steps] == [7, 8]
+    assert read_back.copy_gb_per_s() == pytest.approx(3.0)  # 3 GB over the 1 s state_copied phase
+    assert RecoveryEvent(generation=1).copy_gb_per_s() is None  # nothing copied: no speed
     with open(Path(logger.log_dir) / "metrics.csv") as f:
         (row,) = csv.DictReader(f)
     assert row["step"] == "8" and float(row["recovery/generation"]) == 3
     assert (float(row["recovery/nodes_lost"]), float(row["recovery/nodes_joined"])) == (1, 0)
     assert {k: float(row[f"recovery/{k}_s"]) for k in expected} == pytest.approx(expected)
+    assert (float(row["recovery/copied_gb"]), float(row["recovery/copy_gb_per_s"])) == pytest.approx(
+        (3.0, 3.0)
+    )
 
 
 def test_bad_inputs_get_errors_that_name_the_fix(tmp_path: Path) -> None:

@@ -17,7 +17,7 @@ last stage         optimizer step, after the commit (SIGKILL)   rank0_then_a_hun
 first stage        forward (SIGSTOP: hang)                      rank0_then_a_hung_first_stage
 last + first       forward, f = 2 at once (SIGKILL)             two_nodes_at_once
 middle stage       backward (SIGKILL)                           middle_stage_...
-last stage         during the recovery from it (SIGKILL)        middle_stage_...
+first stage        mid-copy in the recovery from it (SIGKILL)   middle_stage_...
 first stage        gradient sync (SIGKILL)                      middle_stage_...
 whole node of 2    gradient sync (SIGKILL of one process)       whole_nodes_...
 whole node of 2    backward (SIGSTOP of one process)            whole_nodes_...
@@ -52,12 +52,12 @@ from lightning_oobleck.testing import FaultAction, FaultPoint, arm
 
 SEED, STEPS, CLIP, GLOBAL_BATCH, MICRO, SAMPLES = 3, 5, 0.05, 12, 2, 36
 
-FORWARD, BACKWARD, GRAD_SYNC, OPTIMIZER, RECOVERY = (
+FORWARD, BACKWARD, GRAD_SYNC, OPTIMIZER, MID_COPY = (
     "forward",
     "backward",
     "grad_sync",
     "optimizer",
-    "recovery",
+    "mid_copy",
 )
 INPUT_GRAD, WEIGHT_GRAD, REDUCE = "input_grad", "weight_grad", "reduce"
 """The moments of a split backward (``schedule="zb-h1"``): in the step's second ``I``, in its second ``W``,
@@ -78,8 +78,8 @@ class Faults(L.Callback):
     fault's moment, through the package's fault points (:mod:`lightning_oobleck.testing`): the step's
     second forward (``FORWARD``), its first backward (``BACKWARD``), right after issuing its first gradient
     bucket's all-reduce (``GRAD_SYNC``), after its commit, before the optimizer update (``OPTIMIZER``), once
-    the new generation's process groups are built in a recovery during that step (``RECOVERY``), or, under a
-    split backward, at the step's second :data:`INPUT_GRAD` or :data:`WEIGHT_GRAD`, or its first
+    the first chunks of the state copy of a recovery during that step are in flight (``MID_COPY``), or,
+    under a split backward, at the step's second :data:`INPUT_GRAD` or :data:`WEIGHT_GRAD`, or its first
     :data:`REDUCE`; records, per counted step, the samples the pipeline's first stage fed."""
 
     POINTS: ClassVar = {
@@ -87,7 +87,7 @@ class Faults(L.Callback):
         BACKWARD: (FaultPoint.BACKWARD, 1),
         GRAD_SYNC: (FaultPoint.REDUCE, 1),
         OPTIMIZER: (FaultPoint.COMMIT, 1),
-        RECOVERY: (FaultPoint.STATE_COPY, 1),
+        MID_COPY: (FaultPoint.COPY_CHUNK, 1),
         INPUT_GRAD: (FaultPoint.INPUT_GRAD, 2),
         WEIGHT_GRAD: (FaultPoint.WEIGHT_GRAD, 2),
         REDUCE: (FaultPoint.REDUCE, 1),
@@ -274,21 +274,23 @@ def test_middle_stage_in_backward_a_kill_during_its_recovery_then_a_gradient_syn
     tmp_path: Path, reference: dict[str, torch.Tensor]
 ) -> None:
     """7 nodes: pipeline 0 has 3 stages (nodes 0, 1, 2), pipelines 1 and 2 have 2 (nodes 3-4, 5-6).
-    The middle stage (node 1) is SIGKILLed in its backward of step 1; node 4 (a last stage) once the
-    survivors' new process groups are built in the recovery from it, before the state copy; node 5 (a
-    first stage) right after issuing its first gradient all-reduce of step 3 (by then nodes 0, 3, 2 form
-    a 3-stage pipeline with layers copied in, and nodes 5, 6 a 2-stage one)."""
+    The middle stage (node 1) is SIGKILLed in its backward of step 1; node 3 (a first stage) in the recovery
+    from it, with layer 2 for node 0 in flight (layer 2's replicas are nodes 3 and 5; its one chunk is
+    node 3's share); node 5 (a first stage) right after issuing its first gradient all-reduce of step 3 (by
+    then nodes 0, 4, 2 form a 3-stage pipeline with layers copied in, and nodes 5, 6 a 2-stage one)."""
     faults = {
         (1, 1): Fault(signal.SIGKILL, BACKWARD),
-        (4, 1): Fault(signal.SIGKILL, RECOVERY),
+        (3, 1): Fault(signal.SIGKILL, MID_COPY),
         (5, 3): Fault(signal.SIGKILL, GRAD_SYNC),
     }
     assert [p.nodes for p in planned(7).pipelines] == [(0, 1, 2), (3, 4), (5, 6)]
     trainer = fit_with_faults(tmp_path, faults, num_nodes=7)
-    check(trainer, tmp_path, reference, dead={1, 4, 5}, num_nodes=7)
-    # The recovery from node 1 failed with node 4 and was redone without it: one event removes both.
+    check(trainer, tmp_path, reference, dead={1, 3, 5}, num_nodes=7)
+    # The recovery from node 1 failed with node 3 and was redone without it: one event removes both, and
+    # says what the redone copy moved.
     _, recoveries = read_events(tmp_path / EVENTS_FILE)
-    assert [sorted(w[0] for w in e.removed) for e in recoveries] == [[1, 4], [5]]
+    assert [sorted(w[0] for w in e.removed) for e in recoveries] == [[1, 3], [5]]
+    assert recoveries[0].copied_bytes > 0 and recoveries[0].copy_gb_per_s() is not None
 
 
 @pytest.mark.timeout(300)

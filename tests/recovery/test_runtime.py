@@ -293,6 +293,11 @@ def test_rank0_then_committed_step_then_kill_during_recovery(tmp_path: Path) -> 
     _, recoveries = read_events(tmp_path / "run.jsonl")
     assert [e.generation for e in recoveries] == [1, 3]
     assert all(e.resumed_at is not None for e in recoveries)
+    # node 0's pipeline is rebuilt from the others: its event says what the copy moved and how fast (the
+    # second recovery's layout needs no layer anyone lacks: nothing copied, no speed)
+    first = recoveries[0]
+    assert first.copied_bytes > 0 and first.copy_senders > 0 and first.copy_gb_per_s() > 0
+    assert all((e.copied_bytes > 0) == (e.copy_gb_per_s() is not None) for e in recoveries)
 
 
 @pytest.mark.timeout(RUN_TIMEOUT_S + 60)

@@ -8,7 +8,7 @@ from dataclasses import replace
 import numpy as np
 import pytest
 
-from lightning_oobleck.planning import ClusterSpec, Plan, make_plan, synthetic_gpt_profile
+from lightning_oobleck.planning import ClusterSpec, LayerCopy, Plan, make_plan, synthetic_gpt_profile
 from lightning_oobleck.planning.planner import PlannerInputs
 from lightning_oobleck.planning.reconfigure import after_failures, after_joins
 from lightning_oobleck.simulation import (
@@ -25,6 +25,7 @@ from lightning_oobleck.simulation import (
     simulate_replica_groups,
 )
 from lightning_oobleck.simulation.simulator import copy_time_s, state_bytes, young_daly_interval_s
+from lightning_oobleck.worker import Worker
 
 HOUR = 3600.0
 
@@ -70,7 +71,7 @@ def test_one_failure_in_place_costs_the_formula(plan: Plan) -> None:
         Costs().detection_s
         + Costs().protocol_s
         + result.replan_s[0]
-        + copy_time_s(step.copies, PlannerInputs.from_plan(plan))
+        + copy_time_s(step.copies, PlannerInputs.from_plan(plan), Costs().state_copy_link_share)
     )
     before = steps(t, plan.iteration_time_s)
     after = steps(horizon - t - pause, step.plan.iteration_time_s)
@@ -197,3 +198,18 @@ def test_a_trace_for_another_cluster_is_refused(plan: Plan) -> None:
     with pytest.raises(ValueError, match="unknown policy 'varuna'"):
         simulate(plan, Trace(8, HOUR, ()), policies=["varuna"])
     assert set(POLICIES) == {"oobleck", "checkpoint-restart", "replica-groups"}
+
+
+def test_a_copy_striped_over_replicas_charges_each_sender_its_share(plan: Plan) -> None:
+    """Two receivers each newly hold layer 0: from one source, it sends the layer twice; striped over two
+    replicas, each sends one layer's worth (the receivers' links are then the limit). A replica on the
+    receiver's node crosses no link. The link share divides the bandwidth."""
+    inputs = PlannerInputs.from_plan(plan)
+    one_layer = copy_time_s([LayerCopy(0, 5, 0)], inputs)
+    assert one_layer > 0
+    single = [LayerCopy(0, to, 0) for to in (5, 6)]
+    striped = [LayerCopy(0, to, 0, replicas=(Worker(0, 0), Worker(1, 0))) for to in (5, 6)]
+    assert copy_time_s(single, inputs) == pytest.approx(2 * one_layer)
+    assert copy_time_s(striped, inputs) == pytest.approx(one_layer)
+    assert copy_time_s([LayerCopy(0, 5, 5, to_device=1)], inputs) == 0.0
+    assert copy_time_s(striped, inputs, link_share=0.5) == pytest.approx(2 * one_layer)
