@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import io
 import threading
-import time
 from collections import defaultdict, deque
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
@@ -69,11 +68,6 @@ class CopyStats:
     sent_bytes: int = 0
     sources: int = 0
     """Workers this one received from."""
-    seconds: float = 0.0
-
-    @property
-    def gb_per_s(self) -> float:
-        return self.received_bytes / self.seconds / 1e9 if self.seconds > 0 else 0.0
 
 
 def state_by_name(optimizer: torch.optim.Optimizer, module: StageModule) -> ParamState:
@@ -422,7 +416,6 @@ def transfer_state(
     sends its share of what the copy list asks of it and receives what it newly holds. ``device``: where
     the layers live (by default, where ``module``'s do). Raises ``PeerFailure`` on abort or a lost peer.
     """
-    started = time.perf_counter()
     me = groups.worker
     copies = list(copies)
     incoming = [c for c in copies if c.receiver == me]
@@ -477,6 +470,5 @@ def transfer_state(
         received_bytes=sum(c.nbytes for s in incoming_streams.values() for c in s.chunks),
         sent_bytes=sum(c.nbytes for s in outgoing.values() for c in s.chunks),
         sources=len(incoming_streams),
-        seconds=time.perf_counter() - started,
     )
     return new_module, new_state, stats
