@@ -9,7 +9,7 @@ machine, gloo over loopback; for each size, side by side in one run (best of ``-
   the reference, ``of raw`` = 1);
 * **serialised** (the copy before issue 27): ``torch.save`` of the layers and state into bytes, one
   message, ``torch.load`` and ``load_state_dict`` into freshly initialised layers (skipped above 1 GB: it
-  needs about five times the payload in memory);
+  needs about three times the payload on the receiver);
 * **streamed, 1 source** / **2 sources**: :func:`~lightning_oobleck.recovery.state_transfer.transfer_state`
   as a recovery runs it (buckets of ``--bucket-mib``), from one replica or striped over two.
 
