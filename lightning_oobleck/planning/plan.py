@@ -158,6 +158,7 @@ class LayerCopy:
 
     @property
     def receiver(self) -> Worker:
+        """The worker that newly holds the layer."""
         return Worker(self.to_node, self.to_device)
 
 

@@ -78,9 +78,10 @@ class PeakResidentMemory:
     """Context manager: how far this process's resident memory rose above its level at the start
     (:attr:`growth_bytes`), whatever allocated it (Python, torch, gloo's buffers, a serialiser's bytes).
 
-    Linux only (``/proc/self/clear_refs`` resets the kernel's peak). Allocations of 64 KiB or more are
-    mapped and unmapped on their own while it is active, so that memory freed inside the block is not reused
-    unseen by later allocations: the peak is what the block needed.
+    Linux only (``/proc/self/clear_refs`` resets the kernel's peak). From its first use on, the process maps
+    and unmaps allocations of 64 KiB or more on their own (glibc's ``M_MMAP_THRESHOLD``, which cannot be
+    handed back to glibc's adaptive default), so that memory freed earlier is not reused unseen inside the
+    block: the peak is what the block needed. Meant for test and benchmark processes.
     """
 
     _MMAP_THRESHOLD = -3  # glibc's M_MMAP_THRESHOLD
