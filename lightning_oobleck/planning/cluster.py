@@ -11,6 +11,10 @@ class ClusterSpec:
 
     Defaults describe an A40-class node (48 GB devices, NVLink-class links inside a node, a 200 Gb/s
     network between nodes). Bandwidths are in bytes per second, latencies in seconds.
+
+    ``device_memory_bytes`` is what the planner may fill with tensors, not the card's size: on an H200 the
+    caching allocator reserved 1.16 times its tensors' peak and the CUDA context and libraries took 0.8 GB
+    beside it (``benchmarks/gpu_check.py``), so about ``(card - 0.8 GB) / 1.16``: 68e9 for an 80 GB H100.
     """
 
     num_nodes: int = 1
