@@ -35,6 +35,7 @@ _FLAG_KEYS = {
     "profile": "profile",
     "activation_checkpointing": "activation_checkpointing",
     "schedule": "schedule",
+    "tensor_parallel": "tensor_parallel",
 }
 """Command-line flags and the configuration keys they override."""
 
@@ -56,6 +57,11 @@ def add_job_arguments(parser: argparse.ArgumentParser, prefix: str = "") -> None
     )
     parser.add_argument(
         "--schedule", choices=list(SCHEDULE_NAMES), help="the pipeline schedule the plan runs (default 1f1b)"
+    )
+    parser.add_argument(
+        "--tensor-parallel",
+        choices=["auto", "1", "2", "4", "8"],
+        help="GPUs of a node each stage runs on, its layers split over them; auto: the fastest (default 1)",
     )
 
 
@@ -169,19 +175,31 @@ def _print(data: dict, plan: Plan, as_json: bool, result: Reconfiguration | None
     console.print(
         f"n0={plan.n0}  f={plan.fault_tolerance}  pipelines={len(plan.pipelines)}  "
         f"micro-batches={plan.num_microbatches}  schedule {plan.schedule}  "
-        f"iteration {plan.iteration_time_s:.3f} s  "
+        f"tensor parallel {plan.tensor_parallel}  iteration {plan.iteration_time_s:.3f} s  "
         f"planned in {plan.planning_s:.3f} s"
     )
+    if choices := plan.extra.get("tensor_parallel_choices"):
+        console.print("tensor parallel, each degree's plan: " + "; ".join(map(_choice, choices)))
     for warning in plan.warnings:
         console.print(f"[yellow]warning:[/yellow] {warning}")
 
 
+def _choice(choice: dict) -> str:
+    t = choice["tensor_parallel"]
+    if "infeasible" in choice:
+        return f"t={t}: none ({choice['infeasible']})"
+    return f"t={t}: {choice['iteration_time_s']:.3f} s"
+
+
 def _templates_table(plan: Plan) -> Table:
-    table = Table(title="Pipeline templates")
+    t = plan.tensor_parallel
+    table = Table(title="Pipeline templates" + (f" (each stage on {t} GPUs of a node)" if t > 1 else ""))
     table.add_column("nodes", justify="right")
-    table.add_column("stages: [first, end) layers per GPU, by node (*: recomputes activations)")
+    per = "GPU" if t == 1 else f"{t} GPUs"
+    table.add_column(f"stages: [first, end) layers per {per}, by node (*: recomputes activations)")
     table.add_column("micro-batches", justify="right")
     table.add_column("iteration (s)", justify="right")
+    table.add_column("compute / tensor-parallel / bubble", justify="right")
     for t in plan.templates:
         by_node = [
             " ".join(
@@ -190,7 +208,8 @@ def _templates_table(plan: Plan) -> Table:
             for n in range(t.num_nodes)
         ]
         m = t.microbatches or len(t.stages)
-        table.add_row(str(t.num_nodes), " | ".join(by_node), str(m), f"{t.iteration_time_s(m):.3f}")
+        split = " / ".join(f"{share:.0%}" for share in t.time_split(m))
+        table.add_row(str(t.num_nodes), " | ".join(by_node), str(m), f"{t.iteration_time_s(m):.3f}", split)
     return table
 
 

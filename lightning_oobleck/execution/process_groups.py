@@ -195,7 +195,14 @@ class ProcessGroups:
 
 
 def check_plan_size(plan: Plan, world_size: int) -> Plan:
-    """``plan``, if it has one worker per launched process; else an error that says what to change."""
+    """``plan``, if it has one worker per launched process and runs each stage on one device; else an error
+    that says what to change."""
+    if plan.tensor_parallel > 1:
+        raise ValueError(
+            f"the plan runs each stage on {plan.tensor_parallel} devices (tensor parallelism); this release "
+            "plans such stages (`oobleck plan --tensor-parallel`) but runs a stage on one device only: plan "
+            "with tensor_parallel=1"
+        )
     if world_size != len(plan.workers):
         raise ValueError(
             f"the plan has {len(plan.workers)} workers but {world_size} processes were launched; "

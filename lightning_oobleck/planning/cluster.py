@@ -26,6 +26,17 @@ class ClusterSpec:
     inter_node_latency_s: float = 20e-6
     device_memory_bandwidth: float = 700e9
     """Device memory bandwidth: the optimizer step is bound by it."""
+    tensor_parallel_bandwidth: float | None = None
+    """The bus bandwidth of an all-reduce among devices of one node, per device (what NCCL's
+    ``all_reduce_perf`` reports as ``busbw``): the tensor-parallel collectives of a stage split over ``t``
+    devices run at it. ``None``: ``intra_node_bandwidth``. For example an H100 SXM node, whose NVLink 4 gives
+    each GPU 450 GB/s in each direction through NVSwitch: ``tensor_parallel_bandwidth=450e9`` at most; set
+    what ``all_reduce_perf`` measures on your nodes."""
+
+    @property
+    def collective_bandwidth(self) -> float:
+        """:attr:`tensor_parallel_bandwidth`, or the intra-node link's where it is not set."""
+        return self.tensor_parallel_bandwidth or self.intra_node_bandwidth
 
     def validate(self) -> None:
         """Raise ``ValueError`` naming the first field that cannot describe a real cluster."""
@@ -37,8 +48,9 @@ class ClusterSpec:
             "intra_node_bandwidth",
             "inter_node_bandwidth",
             "device_memory_bandwidth",
+            "tensor_parallel_bandwidth",
         ):
-            if getattr(self, name) <= 0:
+            if getattr(self, name) is not None and getattr(self, name) <= 0:
                 raise ValueError(f"cluster.{name} must be positive, got {getattr(self, name)}")
         for name in ("intra_node_latency_s", "inter_node_latency_s"):
             if getattr(self, name) < 0:

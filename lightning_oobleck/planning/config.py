@@ -46,6 +46,9 @@ class PlannerConfig:
     """Activation recomputation: false, true (every stage) or auto (only where a split would not fit)."""
     schedule: str = "1f1b"
     """The pipeline schedule the plan runs: 1f1b or zb-h1."""
+    tensor_parallel: Any = 1
+    """The devices of a node each stage runs on (1, 2, 4, 8: a divisor of the GPUs per node), or auto: the
+    fastest plan among the degrees the profile describes."""
 
     def validate(self) -> None:
         self.cluster.validate()
@@ -83,4 +86,5 @@ class PlannerConfig:
             self.exact_limit,
             self.activation_checkpointing,
             self.schedule,
+            self.tensor_parallel,
         )

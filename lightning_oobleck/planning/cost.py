@@ -40,6 +40,16 @@ layers save, plus the saved tensors of the one layer being recomputed at a time;
 (``compute + forward``). ``True`` recomputes on every stage, ``"auto"`` only on the stages of a split that
 would not fit the device otherwise (per stage, in the template search), ``False`` never.
 
+Tensor parallelism (a profile at ``t > 1``, :meth:`ModelProfile.at`): a stage runs on ``t`` devices of one
+node, ``G / t`` stages per node, and every time and byte above is one rank's. A layer's time adds its
+all-reduces among the ``t`` devices, each a ring over the node's links::
+
+    tensor_allreduce(bytes, t) = 2 (t - 1) / t * bytes / tensor_parallel_bandwidth + 2 (t - 1) * intra_latency
+
+forward ones to its forward, backward ones to its input gradient (``I``). Activations cross a stage
+boundary from each rank to its counterpart in the next stage (``t`` sends over ``t`` links at once: the time
+of one). Each rank sums its own shard of the gradients with its counterparts in the other pipelines.
+
 Gradient synchronisation: each layer's gradient is all-reduced across the ``k`` pipelines holding a
 replica (ring all-reduce over the inter-node network)::
 
@@ -133,8 +143,15 @@ class CostModel:
             raise ValueError(
                 f"activation_checkpointing must be false, true or 'auto', got {activation_checkpointing!r}"
             )
+        if cluster.gpus_per_node % profile.tensor_parallel:
+            raise ValueError(
+                f"tensor parallelism {profile.tensor_parallel} does not divide the {cluster.gpus_per_node} "
+                "GPUs of a node: a stage's devices must be on one node and every device used"
+            )
         self.profile = profile
         self.cluster = cluster
+        self.tensor_parallel = profile.tensor_parallel
+        self.stages_per_node = cluster.gpus_per_node // profile.tensor_parallel
         self.activation_checkpointing = activation_checkpointing
         self.state_factor = default_state_factor(profile) if state_factor is None else state_factor
         layers = profile.layers
@@ -142,12 +159,15 @@ class CostModel:
         def prefix(values: list[float]) -> np.ndarray:
             return np.concatenate(([0.0], np.cumsum(np.asarray(values, dtype=np.float64))))
 
-        self._compute = prefix([la.forward_s + la.backward_s for la in layers])
+        tp_forward = [self.tensor_allreduce_s(la.tensor_parallel_forward_bytes) for la in layers]
+        tp_backward = [self.tensor_allreduce_s(la.tensor_parallel_backward_bytes) for la in layers]
+        self._tensor = prefix([f + b for f, b in zip(tp_forward, tp_backward, strict=True)])
+        self._compute = prefix([la.forward_s + la.backward_s for la in layers]) + self._tensor
         self._params = prefix([la.parameter_bytes for la in layers])
         self._activations = prefix([la.activation_bytes for la in layers])
         self._outputs = np.asarray([la.output_activation_bytes for la in layers], dtype=np.float64)
-        self._forward = prefix([la.forward_s for la in layers])
-        self._backward = prefix([la.backward_s for la in layers])
+        self._forward = prefix([la.forward_s + f for la, f in zip(layers, tp_forward, strict=True)])
+        self._backward = prefix([la.backward_s + b for la, b in zip(layers, tp_backward, strict=True)])
         self._weight = prefix([la.weight_grad_s or 0.0 for la in layers])
         # the input each layer keeps when recomputing: the output of the layer before it
         self._inputs = prefix([0.0] + [la.output_activation_bytes for la in layers[:-1]])
@@ -161,9 +181,24 @@ class CostModel:
         return self.profile.num_layers
 
     # ------------------------------------------------------------------ scalar queries
+    def tensor_allreduce_s(self, sizes: tuple[int, ...]) -> float:
+        """All-reduces of ``sizes`` bytes among the ``t`` devices of a stage, one after the other."""
+        t = self.tensor_parallel
+        if t == 1 or not sizes:
+            return 0.0
+        c = self.cluster
+        return 2 * (t - 1) / t * sum(sizes) / c.collective_bandwidth + len(sizes) * 2 * (t - 1) * (
+            c.intra_node_latency_s
+        )
+
     def compute_s(self, first: int, end: int) -> float:
-        """Forward + backward time of layers ``[first, end)`` for one micro-batch."""
+        """Forward + backward time of layers ``[first, end)`` for one micro-batch, their tensor-parallel
+        all-reduces included."""
         return float(self._compute[end] - self._compute[first])
+
+    def tensor_parallel_s(self, first: int, end: int) -> float:
+        """The part of :meth:`compute_s` spent in tensor-parallel all-reduces."""
+        return float(self._tensor[end] - self._tensor[first])
 
     def parameter_bytes(self, first: int, end: int) -> float:
         return float(self._params[end] - self._params[first])
@@ -184,9 +219,10 @@ class CostModel:
 
         Forward it sends its output to the next stage; backward it sends the gradient of its input
         (the size of layer ``first - 1``'s output) to the previous stage. Stage ``s`` runs on template
-        node ``s // G``, so a boundary crosses nodes exactly when the next stage index is a multiple of G.
+        node ``s // (G / t)``, so a boundary crosses nodes exactly when the next stage index is a multiple of
+        ``G / t``.
         """
-        g = self.cluster.gpus_per_node
+        g = self.stages_per_node
         t = self.compute_s(first, end)
         if stage < num_stages - 1:
             t += self.p2p_s(self._outputs[end - 1], same_node=(stage + 1) % g != 0)
@@ -247,7 +283,7 @@ class CostModel:
         phases = [
             self.stage_phases_s(s.first_layer, s.end_layer, k, s.recompute) for k, s in enumerate(stages)
         ]
-        g = self.cluster.gpus_per_node
+        g = self.stages_per_node
 
         def duration(worker: Worker, action: Action) -> float:
             f, i, w = phases[worker[0]]
@@ -305,7 +341,7 @@ class CostModel:
         base = self._compute[None, :] - self._compute[:, None]
         base = np.where(np.arange(n)[None, :] > np.arange(n)[:, None], base, np.inf)
         boundary = np.concatenate(([0.0], self._outputs))  # bytes crossing the boundary before layer j
-        g = self.cluster.gpus_per_node
+        g = self.stages_per_node
         out = np.empty((num_stages, n, n))
         for s in range(num_stages):
             t = base

@@ -36,22 +36,21 @@ from lightning_oobleck.planning.templates import InfeasibleTemplateError, is_fea
 
 def min_nodes(cost: CostModel) -> int:
     """``n0``: the fewest nodes with a memory-feasible split of the model."""
-    largest = cost.num_layers // cost.cluster.gpus_per_node
+    largest = cost.num_layers // cost.stages_per_node
     for n in range(1, largest + 1):
         if is_feasible(cost, n):
             return n
+    at = f" at tensor parallelism {cost.tensor_parallel}" if cost.tensor_parallel > 1 else ""
     raise InfeasibleTemplateError(
         f"the model ({cost.num_layers} layers) does not fit on any number of nodes with "
-        f"{cost.cluster.gpus_per_node} GPU(s) of {cost.cluster.device_memory_bytes / 1e9:.3g} GB: use "
-        "devices with more memory, a smaller micro-batch, or fewer GPUs per node"
+        f"{cost.cluster.gpus_per_node} GPU(s) of {cost.cluster.device_memory_bytes / 1e9:.3g} GB{at}: use "
+        "devices with more memory, a smaller micro-batch, more tensor parallelism, or fewer GPUs per node"
     )
 
 
 def template_sizes(cost: CostModel, n0: int, num_nodes: int, fault_tolerance: int) -> tuple[int, ...]:
-    """Memory-feasible sizes from ``n0`` to ``max(2 n0 - 1, N - f n0)``, at most ``L // G``."""
-    largest = min(
-        cost.num_layers // cost.cluster.gpus_per_node, max(2 * n0 - 1, num_nodes - fault_tolerance * n0)
-    )
+    """Memory-feasible sizes from ``n0`` to ``max(2 n0 - 1, N - f n0)``, at most ``L // (G / t)``."""
+    largest = min(cost.num_layers // cost.stages_per_node, max(2 * n0 - 1, num_nodes - fault_tolerance * n0))
     return tuple(n for n in range(n0, largest + 1) if n == n0 or is_feasible(cost, n))
 
 

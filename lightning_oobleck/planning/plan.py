@@ -9,6 +9,8 @@ Identities used throughout the project:
   are never reused, nodes added later get fresh ids);
 * a *worker* is one device of one node, named ``(node, device)`` with ``0 <= device < gpus_per_node``;
   one process drives one worker;
+* a *stage* runs on ``t`` workers of one node (its tensor-parallel degree, :attr:`Plan.tensor_parallel`),
+  devices ``stage.device .. stage.device + t - 1``; at ``t = 1``, on one;
 * layer indices are global (``0..num_layers-1``), so a layer keeps its name in every layout.
 
 The JSON form (:meth:`Plan.to_dict`) is the schema printed by ``oobleck plan --json`` and read back by
@@ -35,7 +37,7 @@ class Stage:
     node: int
     """Node index inside the template (``0..template.num_nodes-1``)."""
     device: int = 0
-    """Device index inside that node (``0..gpus_per_node-1``)."""
+    """Device index inside that node (``0..gpus_per_node-1``): the first of the stage's ``t`` devices."""
     recompute: bool = False
     """Activation recomputation: each layer keeps only its input per in-flight micro-batch and runs its
     forward again in the backward (``torch.utils.checkpoint``)."""
@@ -64,10 +66,18 @@ class PipelineTemplate:
     schedule_fit_s: tuple[float, float] | None = None
     """``(a, c)`` of :meth:`iteration_time_s` under a schedule other than 1F1B, fitted by the planner to the
     event simulation of that schedule's action lists (``None``: 1F1B)."""
+    tensor_parallel: int = 1
+    """``t``: the devices of one node that each stage runs on, its layers split over them."""
+    stage_tensor_parallel_s: tuple[float, ...] = ()
+    """The part of each stage's time spent in tensor-parallel all-reduces (empty at ``t = 1``)."""
 
     def __post_init__(self) -> None:
         if len(self.stage_times_s) != len(self.stages):
             raise ValueError("a template needs one stage time per stage")
+        if self.gpus_per_node % self.tensor_parallel:
+            raise ValueError(
+                f"tensor parallelism {self.tensor_parallel} does not divide {self.gpus_per_node} GPUs a node"
+            )
         object.__setattr__(self, "_hash", hash((self.num_nodes, self.stages, self.stage_times_s)))
 
     def __hash__(self) -> int:
@@ -87,6 +97,18 @@ class PipelineTemplate:
     def slope_s(self) -> float:
         """``c`` in ``T(m) = a + (m - 1) * c``: under 1F1B the slowest stage's time."""
         return max(self.stage_times_s) if self.schedule_fit_s is None else self.schedule_fit_s[1]
+
+    def time_split(self, microbatches: int) -> tuple[float, float, float]:
+        """Shares of :meth:`iteration_time_s` at ``microbatches``: the slowest stage's compute (its
+        point-to-point sends included), its tensor-parallel all-reduces, and the bubble (the rest: the time
+        that stage waits while the pipeline fills and drains)."""
+        total = self.iteration_time_s(microbatches)
+        if total <= 0:
+            return 0.0, 0.0, 0.0
+        slowest = max(range(len(self.stages)), key=self.stage_times_s.__getitem__)
+        busy = min(microbatches * self.stage_times_s[slowest], total)
+        tensor = microbatches * self.stage_tensor_parallel_s[slowest] if self.stage_tensor_parallel_s else 0.0
+        return (busy - tensor) / total, tensor / total, 1 - busy / total
 
     def iteration_time_s(self, microbatches: int) -> float:
         """Iteration time for ``microbatches`` micro-batches.
@@ -120,9 +142,14 @@ class Pipeline:
         return self.template.stages
 
     def worker_of_stage(self, stage: int) -> Worker:
-        """The ``(node, device)`` worker that runs stage ``stage`` of this pipeline."""
+        """The ``(node, device)`` worker that runs stage ``stage`` of this pipeline (its first of ``t``)."""
         s = self.template.stages[stage]
         return Worker(self.nodes[s.node], s.device)
+
+    def workers_of_stage(self, stage: int) -> tuple[Worker, ...]:
+        """The ``t`` workers of one node that run stage ``stage``, in tensor-parallel rank order."""
+        first = self.worker_of_stage(stage)
+        return tuple(Worker(first.node, first.device + r) for r in range(self.template.tensor_parallel))
 
     def iteration_time_s(self) -> float:
         return self.template.iteration_time_s(self.microbatches)
@@ -135,6 +162,8 @@ class WorkerRole:
     pipeline: int
     stage: int
     layers: range
+    tensor_rank: int = 0
+    """The worker's rank among the stage's ``t`` devices."""
 
 
 @dataclass(frozen=True)
@@ -186,7 +215,19 @@ class Plan:
     schedule: str = "1f1b"
     """The pipeline schedule every pipeline runs (:data:`~lightning_oobleck.planning.schedules.SCHEDULES`)."""
 
+    def __post_init__(self) -> None:
+        if len({t.tensor_parallel for t in self.templates}) > 1:
+            raise ValueError(
+                "a plan's templates must share one tensor-parallel degree: a layer's gradient is summed "
+                "shard by shard over the pipelines holding it, which needs the same shards in each"
+            )
+
     # ------------------------------------------------------------------ derived views
+    @property
+    def tensor_parallel(self) -> int:
+        """``t``: the devices of one node each stage runs on, the same in every template."""
+        return self.templates[0].tensor_parallel if self.templates else 1
+
     @property
     def num_microbatches(self) -> int:
         return self.global_batch_size // self.microbatch_size
@@ -219,8 +260,8 @@ class Plan:
         """The single stage that worker ``(node, device)`` runs."""
         for pi, p in enumerate(self.pipelines):
             for si, s in enumerate(p.stages):
-                if p.worker_of_stage(si) == (node, device):
-                    return WorkerRole(pi, si, s.layers)
+                if (node, device) in p.workers_of_stage(si):
+                    return WorkerRole(pi, si, s.layers, device - s.device)
         raise KeyError(f"worker (node={node}, device={device}) has no stage in this plan")
 
     def layer_owners(self, layer: int) -> tuple[Worker, ...]:
@@ -260,6 +301,7 @@ class Plan:
             "planning_s": self.planning_s,
             "warnings": list(self.warnings),
             "schedule": self.schedule,
+            "tensor_parallel": self.tensor_parallel,
             **({"tied_layers": [list(t) for t in self.tied_layers]} if self.tied_layers else {}),
             **({"extra": self.extra} if self.extra else {}),
         }
@@ -325,6 +367,11 @@ def _template_to_dict(t: PipelineTemplate) -> dict[str, Any]:
         "microbatches": t.microbatches,
         "iteration_time_s": t.iteration_time_s(t.microbatches or len(t.stages)),
         **({"schedule_fit_s": list(t.schedule_fit_s)} if t.schedule_fit_s is not None else {}),
+        **(
+            {"tensor_parallel": t.tensor_parallel, "stage_tensor_parallel_s": list(t.stage_tensor_parallel_s)}
+            if t.tensor_parallel > 1
+            else {}
+        ),
     }
 
 
@@ -352,6 +399,8 @@ def _template_from_dict(d: dict[str, Any], gpus_per_node: int) -> PipelineTempla
         stage_memory_bytes=tuple(float(x) for x in d.get("stage_memory_bytes", ())),
         microbatches=int(d.get("microbatches", 0)),
         schedule_fit_s=None if d.get("schedule_fit_s") is None else _pair(d["schedule_fit_s"]),
+        tensor_parallel=int(d.get("tensor_parallel", 1)),
+        stage_tensor_parallel_s=tuple(float(x) for x in d.get("stage_tensor_parallel_s", ())),
     )
 
 

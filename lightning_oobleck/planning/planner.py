@@ -11,7 +11,7 @@ from __future__ import annotations
 import time
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, replace
-from typing import Any
+from typing import Any, Literal
 
 from lightning_oobleck.planning.batch import distribute_microbatches, num_microbatches
 from lightning_oobleck.planning.cluster import ClusterSpec
@@ -20,11 +20,38 @@ from lightning_oobleck.planning.instantiation import instantiate
 from lightning_oobleck.planning.node_spec import min_nodes, template_sizes
 from lightning_oobleck.planning.plan import Pipeline, PipelineTemplate, Plan
 from lightning_oobleck.planning.profile import ModelProfile
-from lightning_oobleck.planning.templates import generate_templates
+from lightning_oobleck.planning.templates import InfeasibleTemplateError, generate_templates
 
 
 class PlanningError(ValueError):
     """The request cannot be planned; the message says what to change."""
+
+
+TensorParallel = int | Literal["auto"]
+"""A tensor-parallel degree ``t`` (1, 2, 4, 8: a divisor of the GPUs per node) or ``"auto"``."""
+
+
+def tensor_parallel_degrees(
+    requested: TensorParallel, profile: ModelProfile, gpus_per_node: int
+) -> tuple[int, ...]:
+    """The degrees ``requested`` lets the planner try: itself, or for ``"auto"`` every one the profile
+    describes that divides ``gpus_per_node``."""
+    known = profile.tensor_parallel_degrees
+    if requested == "auto":
+        return tuple(t for t in known if gpus_per_node % t == 0)
+    if not isinstance(requested, int) or isinstance(requested, bool) or requested < 1:
+        raise PlanningError(f"tensor_parallel must be 'auto' or a positive integer, got {requested!r}")
+    if gpus_per_node % requested:
+        raise PlanningError(
+            f"tensor_parallel={requested} does not divide the {gpus_per_node} GPUs of a node: a stage's "
+            f"devices are on one node and every device is used; use one of "
+            f"{[t for t in known if gpus_per_node % t == 0]} or 'auto'"
+        )
+    try:
+        profile.at(requested)
+    except ValueError as err:
+        raise PlanningError(str(err)) from err
+    return (requested,)
 
 
 @dataclass(frozen=True)
@@ -39,10 +66,21 @@ class PlannerInputs:
     exact_limit: int = 20_000
     activation_checkpointing: ActivationCheckpointing = False
     schedule: str = "1f1b"
+    tensor_parallel: TensorParallel = 1
+    """``t``, the devices of a node each stage runs on, or ``"auto"``: the fastest the profile allows. A
+    plan's inputs hold the degree it chose, which replanning keeps."""
 
     def cost(self) -> CostModel:
+        if not isinstance(self.tensor_parallel, int):
+            raise PlanningError(
+                f"a cost model needs one tensor-parallel degree, not {self.tensor_parallel!r}"
+            )
         return CostModel(
-            self.profile, self.cluster, self.state_factor, self.activation_checkpointing, self.schedule
+            self.profile.at(self.tensor_parallel),
+            self.cluster,
+            self.state_factor,
+            self.activation_checkpointing,
+            self.schedule,
         )
 
     def make_plan(self, global_batch_size: int, microbatch_size: int | None = None) -> Plan:
@@ -57,6 +95,7 @@ class PlannerInputs:
             exact_limit=self.exact_limit,
             activation_checkpointing=self.activation_checkpointing,
             schedule=self.schedule,
+            tensor_parallel=self.tensor_parallel,
         )
 
     def to_extra(self, next_node_id: int) -> dict[str, Any]:
@@ -68,6 +107,7 @@ class PlannerInputs:
             "exact_limit": self.exact_limit,
             "activation_checkpointing": self.activation_checkpointing,
             "schedule": self.schedule,
+            "tensor_parallel": self.tensor_parallel,
             "next_node_id": next_node_id,
         }
 
@@ -83,6 +123,7 @@ class PlannerInputs:
                 exact_limit=int(e.get("exact_limit", 20_000)),
                 activation_checkpointing=e.get("activation_checkpointing", False),
                 schedule=str(e.get("schedule", "1f1b")),
+                tensor_parallel=e.get("tensor_parallel", 1),
             )
         except (KeyError, TypeError) as err:
             raise PlanningError(
@@ -104,6 +145,7 @@ def make_plan(
     exact_limit: int = 20_000,
     activation_checkpointing: ActivationCheckpointing = False,
     schedule: str = "1f1b",
+    tensor_parallel: TensorParallel = 1,
 ) -> Plan:
     """The fastest plan that uses every node of the cluster in at least ``f + 1`` pipelines.
 
@@ -111,6 +153,10 @@ def make_plan(
     default :class:`ClusterSpec` when ``cluster`` is None). ``microbatch_size`` defaults to the one
     the profile was measured for and must match it. ``schedule``: the pipeline schedule the plan runs
     (``"1f1b"`` or ``"zb-h1"``); templates, instantiation and batch distribution are chosen for it.
+    ``tensor_parallel``: the devices of a node each stage runs on (:data:`TensorParallel`); ``"auto"`` plans
+    at every degree the profile describes and keeps the fastest plan, one degree for all its templates (a
+    layer's gradient is summed shard by shard across pipelines, and a recovery copies shards: both need
+    the same split everywhere). ``Plan.extra["tensor_parallel_choices"]`` says what each degree gave.
     """
     started = time.perf_counter()
     cluster = cluster or ClusterSpec()
@@ -133,9 +179,58 @@ def make_plan(
             f"{total} micro-batches cannot feed the {fault_tolerance + 1} pipelines that f={fault_tolerance} "
             f"needs: raise the global batch to at least {(fault_tolerance + 1) * microbatch}"
         )
-    inputs = PlannerInputs(
-        profile, cluster, fault_tolerance, state_factor, exact_limit, activation_checkpointing, schedule
+    degrees = tensor_parallel_degrees(tensor_parallel, profile, cluster.gpus_per_node)
+    plans: dict[int, Plan] = {}
+    reasons: dict[int, str] = {}
+    for t in degrees:
+        inputs = PlannerInputs(
+            profile,
+            cluster,
+            fault_tolerance,
+            state_factor,
+            exact_limit,
+            activation_checkpointing,
+            schedule,
+            t,
+        )
+        try:
+            plans[t] = _plan_at(inputs, global_batch, microbatch, started)
+        except (PlanningError, InfeasibleTemplateError) as err:
+            if len(degrees) == 1:
+                raise
+            reasons[t] = str(err)
+    if not plans:
+        raise PlanningError(
+            "no tensor-parallel degree gives a plan: " + "; ".join(f"t={t}: {r}" for t, r in reasons.items())
+        )
+    best = min(plans, key=lambda t: (plans[t].iteration_time_s, t))
+    plan = plans[best]
+    if len(degrees) == 1 and tensor_parallel != "auto":
+        return plan
+    choices = [
+        {"tensor_parallel": t, "iteration_time_s": plans[t].iteration_time_s}
+        if t in plans
+        else {"tensor_parallel": t, "infeasible": reasons[t]}
+        for t in degrees
+    ]
+    warnings = plan.warnings
+    if degrees == (1,):
+        warnings += (
+            "tensor_parallel='auto' planned every stage on one device: the model's layers declare no "
+            "tensor-parallel plan (PipelineModule.tensor_parallel_plan)",
+        )
+    return replace(
+        plan,
+        extra={**plan.extra, "tensor_parallel_choices": choices},
+        planning_s=time.perf_counter() - started,
+        warnings=warnings,
     )
+
+
+def _plan_at(inputs: PlannerInputs, global_batch: int, microbatch: int, started: float) -> Plan:
+    """:func:`make_plan` at the one tensor-parallel degree of ``inputs``."""
+    fault_tolerance, cluster = inputs.fault_tolerance, inputs.cluster
+    total = num_microbatches(global_batch, microbatch)
     try:
         cost = inputs.cost()
     except ValueError as err:
@@ -157,7 +252,7 @@ def make_plan(
         )
     sizes = template_sizes(cost, n0, nodes, fault_tolerance)
     templates = generate_templates(cost, sizes, {n: max(1, round(total * n / nodes)) for n in sizes})
-    chosen = instantiate(templates, cost, nodes, fault_tolerance, total, exact_limit)
+    chosen = instantiate(templates, cost, nodes, fault_tolerance, total, inputs.exact_limit)
     warnings = []
     if missing := sorted(set(range(n0, 2 * n0)) - set(sizes)):
         warnings.append(
@@ -171,7 +266,7 @@ def make_plan(
         layouts.append((t, tuple(range(next_node, next_node + t.num_nodes))))
         next_node += t.num_nodes
     return assemble_plan(
-        inputs, templates, n0, layouts, global_batch, microbatch, fault_tolerance, started, nodes
+        inputs, templates, n0, layouts, global_batch, microbatch, fault_tolerance, started, nodes, warnings
     )
 
 

@@ -1,7 +1,8 @@
 """Pipeline templates: the best contiguous split of the layers over ``n`` nodes.
 
-A template for ``n`` nodes of ``G`` devices has ``S = n * G`` stages, one per device; stage ``s`` runs
-on template node ``s // G``, so a stage never spans nodes. Among all splits of the ``L`` layers into
+A template for ``n`` nodes of ``G`` devices at tensor parallelism ``t`` has ``S = n * G / t`` stages, each
+on ``t`` devices of one node; stage ``s`` runs on template node ``s // (G / t)``, devices
+``(s mod G / t) * t`` onwards, so a stage never spans nodes. Among all splits of the ``L`` layers into
 ``S`` non-empty contiguous stages whose memory fits a device, we want the one minimising the 1F1B
 iteration time at a reference micro-batch count ``m``::
 
@@ -139,38 +140,43 @@ def generate_template(cost: CostModel, num_nodes: int, microbatches: int) -> Pip
     Raises :class:`InfeasibleTemplateError` when the nodes have more devices than the model has layers,
     or when no split fits the device memory.
     """
-    g = cost.cluster.gpus_per_node
+    g, t = cost.stages_per_node, cost.tensor_parallel
     num_stages = num_nodes * g
     if num_nodes < 1 or num_stages > cost.num_layers:
+        per = "one per GPU" if t == 1 else f"one per {t} GPUs"
         raise InfeasibleTemplateError(
-            f"a {num_nodes}-node template needs {num_stages} stages (one per GPU) but the model has "
+            f"a {num_nodes}-node template needs {num_stages} stages ({per}) but the model has "
             f"{cost.num_layers} layers; use pipelines of at most {cost.num_layers // g} nodes"
         )
     times, memory, recompute = cost.stage_choices(num_stages)
     ranges = _SplitSearch(times).best_split(microbatches)
     if ranges is None:
         raise InfeasibleTemplateError(
-            f"the model does not fit in {num_nodes} node(s) of {g} GPU(s) with "
-            f"{cost.cluster.device_memory_bytes / 1e9:.3g} GB each; use more nodes per pipeline"
+            f"the model does not fit in {num_nodes} node(s) of {cost.cluster.gpus_per_node} GPU(s) with "
+            f"{cost.cluster.device_memory_bytes / 1e9:.3g} GB each"
+            + (f" at tensor parallelism {t}" if t > 1 else "")
+            + "; use more nodes per pipeline"
         )
     stages = tuple(
-        Stage(i, j, node=s // g, device=s % g, recompute=bool(recompute[s, i, j]))
+        Stage(i, j, node=s // g, device=(s % g) * t, recompute=bool(recompute[s, i, j]))
         for s, (i, j) in enumerate(ranges)
     )
     template = PipelineTemplate(
         num_nodes=num_nodes,
-        gpus_per_node=g,
+        gpus_per_node=cost.cluster.gpus_per_node,
         stages=stages,
         stage_times_s=tuple(float(times[s, i, j]) for s, (i, j) in enumerate(ranges)),
         stage_memory_bytes=tuple(float(memory[s, i, j]) for s, (i, j) in enumerate(ranges)),
         microbatches=microbatches,
+        tensor_parallel=t,
+        stage_tensor_parallel_s=tuple(cost.tensor_parallel_s(i, j) for i, j in ranges) if t > 1 else (),
     )
     return replace(template, schedule_fit_s=cost.schedule_fit_s(template))
 
 
 def is_feasible(cost: CostModel, num_nodes: int) -> bool:
     """Whether some split of the model over ``num_nodes`` nodes fits the device memory."""
-    num_stages = num_nodes * cost.cluster.gpus_per_node
+    num_stages = num_nodes * cost.stages_per_node
     if num_nodes < 1 or num_stages > cost.num_layers:
         return False
     return bool(np.isfinite(_SplitSearch(cost.stage_choices(num_stages).times).min_max()))

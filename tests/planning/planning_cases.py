@@ -8,7 +8,9 @@ import numpy as np
 
 from lightning_oobleck.planning.cluster import ClusterSpec
 from lightning_oobleck.planning.cost import CostModel
+from lightning_oobleck.planning.plan import Plan
 from lightning_oobleck.planning.profile import LayerProfile, ModelProfile
+from lightning_oobleck.planning.reconfigure import Reconfiguration
 
 
 def random_profile(rng: np.random.Generator, num_layers: int) -> ModelProfile:
@@ -55,3 +57,40 @@ def brute_force_template_time(cost: CostModel, num_nodes: int, microbatches: int
         times = [cost.stage_time_s(i, j, s, stages) for s, (i, j) in enumerate(ranges)]
         best = min(best, cost.pipeline_time_s(times, microbatches))
     return best
+
+
+def check_reconfiguration(old: Plan, gone: set[int], result: Reconfiguration, added: int = 0) -> None:
+    """The properties the guarantee promises, checked on the new plan and its copies."""
+    new = result.plan
+    survivors = set(old.nodes) - gone
+    assert set(new.nodes) >= survivors and len(new.nodes) == len(set(new.nodes)) == len(survivors) + added
+    assert sum(p.microbatches for p in new.pipelines) == old.num_microbatches
+    assert all(p.microbatches >= 1 for p in new.pipelines)
+    assert all(p.template in old.templates for p in new.pipelines)  # no new template search
+    requested = new.extra["requested_fault_tolerance"]
+    possible = len(new.nodes) // new.n0 - 1
+    assert len(new.pipelines) >= min(requested, possible) + 1
+    assert new.fault_tolerance == min(requested, len(new.pipelines) - 1)
+    assert bool(new.warnings) == (new.fault_tolerance < requested)
+    before = {
+        worker: set(stage.layers)
+        for p in old.pipelines
+        for si, stage in enumerate(p.stages)
+        if (worker := p.worker_of_stage(si))[0] in survivors
+    }
+    held = {worker: set(layers) for worker, layers in before.items()}
+    for c in result.copies:
+        assert c.from_node in survivors and c.layer in before[(c.from_node, c.from_device)]
+        assert c.sources[0] == (c.from_node, c.from_device)
+        replicas = {w for w, layers in before.items() if c.layer in layers}
+        local = {w for w in replicas if w.node == c.to_node}
+        # a replica on the receiver's node sends alone; otherwise every surviving replica sends a share
+        assert len(c.sources) == 1 and set(c.sources) <= local if local else set(c.sources) == replicas
+        held.setdefault((c.to_node, c.to_device), set()).add(c.layer)
+    lacking = 0
+    for p in new.pipelines:
+        for si, stage in enumerate(p.stages):
+            worker = p.worker_of_stage(si)
+            assert set(stage.layers) <= held.get(worker, set())
+            lacking += len(set(stage.layers) - before.get(worker, set()))
+    assert len(result.copies) == lacking  # only what a worker lacks is copied

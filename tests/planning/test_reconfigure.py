@@ -1,7 +1,7 @@
 """Reconfiguration: the f+1 guarantee for every failure set on small clusters, random sets at 1,024 nodes.
 
-Every check goes through :func:`check_reconfiguration`, which applies the copy list to what the
-survivors held and asserts that every worker then holds exactly the layers its new stage needs.
+Every check goes through :func:`planning_cases.check_reconfiguration`, which applies the copy list to what
+the survivors held and asserts that every worker then holds exactly the layers its new stage needs.
 """
 
 from __future__ import annotations
@@ -14,11 +14,11 @@ import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from planning_cases import check_reconfiguration
 
 from lightning_oobleck.planning import (
     ClusterSpec,
     Plan,
-    Reconfiguration,
     ReconfigurationError,
     after_failures,
     after_joins,
@@ -41,43 +41,6 @@ def _plan(n0: int, nodes: int, f: int) -> Plan:
     plan = make_plan(profile, cluster, fault_tolerance=f, global_batch_size=64)
     assert plan.n0 == n0
     return plan
-
-
-def check_reconfiguration(old: Plan, gone: set[int], result: Reconfiguration, added: int = 0) -> None:
-    """The properties the guarantee promises, checked on the new plan and its copies."""
-    new = result.plan
-    survivors = set(old.nodes) - gone
-    assert set(new.nodes) >= survivors and len(new.nodes) == len(set(new.nodes)) == len(survivors) + added
-    assert sum(p.microbatches for p in new.pipelines) == old.num_microbatches
-    assert all(p.microbatches >= 1 for p in new.pipelines)
-    assert all(p.template in old.templates for p in new.pipelines)  # no new template search
-    requested = new.extra["requested_fault_tolerance"]
-    possible = len(new.nodes) // new.n0 - 1
-    assert len(new.pipelines) >= min(requested, possible) + 1
-    assert new.fault_tolerance == min(requested, len(new.pipelines) - 1)
-    assert bool(new.warnings) == (new.fault_tolerance < requested)
-    before = {
-        worker: set(stage.layers)
-        for p in old.pipelines
-        for si, stage in enumerate(p.stages)
-        if (worker := p.worker_of_stage(si))[0] in survivors
-    }
-    held = {worker: set(layers) for worker, layers in before.items()}
-    for c in result.copies:
-        assert c.from_node in survivors and c.layer in before[(c.from_node, c.from_device)]
-        assert c.sources[0] == (c.from_node, c.from_device)
-        replicas = {w for w, layers in before.items() if c.layer in layers}
-        local = {w for w in replicas if w.node == c.to_node}
-        # a replica on the receiver's node sends alone; otherwise every surviving replica sends a share
-        assert len(c.sources) == 1 and set(c.sources) <= local if local else set(c.sources) == replicas
-        held.setdefault((c.to_node, c.to_device), set()).add(c.layer)
-    lacking = 0
-    for p in new.pipelines:
-        for si, stage in enumerate(p.stages):
-            worker = p.worker_of_stage(si)
-            assert set(stage.layers) <= held.get(worker, set())
-            lacking += len(set(stage.layers) - before.get(worker, set()))
-    assert len(result.copies) == lacking  # only what a worker lacks is copied
 
 
 @pytest.mark.timeout(120)
