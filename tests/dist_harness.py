@@ -119,20 +119,27 @@ def plan_from_splits(
     microbatches: Sequence[int],
     microbatch_size: int,
     gpus_per_node: int = 1,
+    tensor_parallel: int = 1,
 ) -> Plan:
     """A plan whose pipeline ``i`` has stages ``pipelines[i]`` (``(first, end)`` layer ranges).
 
-    Stage ``k`` of a pipeline runs on device ``k % gpus_per_node`` of the pipeline's node
-    ``k // gpus_per_node``; cluster node ids are handed out in pipeline order.
+    Stage ``k`` of a pipeline runs on ``tensor_parallel`` devices from ``(k % (G / t)) * t`` of the pipeline's
+    node ``k // (G / t)`` (``G = gpus_per_node``); cluster node ids are handed out in pipeline order.
     """
     built, templates, next_node = [], {}, 0
     for splits, m in zip(pipelines, microbatches, strict=True):
-        if len(splits) % gpus_per_node:
-            raise ValueError(f"{len(splits)} stages do not fill nodes of {gpus_per_node} devices")
-        stages = tuple(Stage(a, b, k // gpus_per_node, k % gpus_per_node) for k, (a, b) in enumerate(splits))
-        num_nodes = len(splits) // gpus_per_node
+        per_node = gpus_per_node // tensor_parallel
+        if len(splits) % per_node:
+            raise ValueError(f"{len(splits)} stages do not fill nodes of {per_node} stages")
+        stages = tuple(
+            Stage(a, b, k // per_node, (k % per_node) * tensor_parallel) for k, (a, b) in enumerate(splits)
+        )
+        num_nodes = len(splits) // per_node
         template = templates.setdefault(
-            stages, PipelineTemplate(num_nodes, gpus_per_node, stages, tuple(1.0 for _ in stages))
+            stages,
+            PipelineTemplate(
+                num_nodes, gpus_per_node, stages, tuple(1.0 for _ in stages), tensor_parallel=tensor_parallel
+            ),
         )
         built.append(Pipeline(template, tuple(range(next_node, next_node + num_nodes)), m))
         next_node += num_nodes

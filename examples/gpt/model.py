@@ -3,6 +3,10 @@
 ``gpt_layers(config)`` returns ``[Embedding, Block, ..., Block, Head]``: each layer takes one tensor and
 returns one tensor, which is all the pipeline engine needs to cut the model into stages. The head has
 its own weight (no tying with the embedding), so every layer can live on a different worker.
+
+Each layer declares how it splits over the devices of a stage (``tensor_parallel_plan``, Megatron-LM's
+split): the embedding by vocabulary, a block's QKV and first MLP products by columns (whole heads per device:
+the QKV rows are laid out head by head) and their output products by rows, the head's logits by vocabulary.
 """
 
 from __future__ import annotations
@@ -12,6 +16,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
+from torch.distributed.tensor import Replicate
+from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle, RowwiseParallel
 
 
 @dataclass(frozen=True)
@@ -36,13 +42,16 @@ class Embedding(nn.Module):
         positions = torch.arange(ids.shape[1], device=ids.device)
         return self.tokens(ids) + self.positions(positions)
 
+    def tensor_parallel_plan(self) -> dict[str, ParallelStyle]:
+        return {"tokens": RowwiseParallel(input_layouts=Replicate())}  # each device its part of the vocabulary
+
 
 class Block(nn.Module):
     """Pre-norm transformer block: causal self-attention then an MLP, each with a residual."""
 
     def __init__(self, config: GPTConfig) -> None:
         super().__init__()
-        self.n_heads = config.n_heads
+        self.head_dim = config.d_model // config.n_heads
         self.ln1 = nn.LayerNorm(config.d_model)
         self.qkv = nn.Linear(config.d_model, 3 * config.d_model)
         self.proj = nn.Linear(config.d_model, config.d_model)
@@ -51,10 +60,20 @@ class Block(nn.Module):
         self.out = nn.Linear(config.mlp_ratio * config.d_model, config.d_model)
 
     def attention(self, x: Tensor) -> Tensor:
-        b, t, d = x.shape
-        q, k, v = self.qkv(x).view(b, t, 3, self.n_heads, d // self.n_heads).permute(2, 0, 3, 1, 4)
+        b, t, _ = x.shape
+        # rows of qkv head by head (q, k, v of head 0, then of head 1...): a device holding some rows holds
+        # whole heads, so the same code runs split over a stage's devices (fewer heads each)
+        q, k, v = self.qkv(x).view(b, t, -1, 3, self.head_dim).permute(3, 0, 2, 1, 4)
         y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
-        return self.proj(y.transpose(1, 2).reshape(b, t, d))
+        return self.proj(y.transpose(1, 2).reshape(b, t, -1))
+
+    def tensor_parallel_plan(self) -> dict[str, ParallelStyle]:
+        return {
+            "qkv": ColwiseParallel(),
+            "proj": RowwiseParallel(),
+            "fc": ColwiseParallel(),
+            "out": RowwiseParallel(),
+        }
 
     def forward(self, x: Tensor) -> Tensor:
         x = x + self.attention(self.ln1(x))
@@ -71,6 +90,9 @@ class Head(nn.Module):
 
     def forward(self, x: Tensor) -> Tensor:
         return self.lm_head(self.ln(x))
+
+    def tensor_parallel_plan(self) -> dict[str, ParallelStyle]:
+        return {"lm_head": ColwiseParallel(output_layouts=Replicate())}  # logits gathered for the loss
 
 
 def gpt_layers(config: GPTConfig) -> list[nn.Module]:

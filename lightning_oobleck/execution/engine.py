@@ -33,6 +33,13 @@ from lightning_oobleck.execution.stage import (
     reset_parameters,
     resolve_layers,
 )
+from lightning_oobleck.execution.tensor_parallel import (
+    LayerPlans,
+    declared_plan,
+    is_split,
+    local,
+    parallelize_stage,
+)
 from lightning_oobleck.planning.plan import Plan
 from lightning_oobleck.planning.schedules import (
     Action,
@@ -108,6 +115,9 @@ class PipelineEngine:
     step raise :class:`~lightning_oobleck.execution.errors.PeerFailure` promptly.
     ``bucket_cap_bytes``: the largest flat buffer of the gradient sync. ``module``: this worker's layers
     already built and filled (a joiner's, copied from its peers) instead of materialising them.
+    ``tensor_parallel_plan``: each layer's tensor-parallel plan (:data:`LayerPlans`; by default the layer's
+    own ``tensor_parallel_plan()``), for a plan whose stages run on ``t > 1`` devices: the layers are built
+    whole from the seed, then split over the stage's devices.
 
     Gradients accumulate into ``.grad`` like plain PyTorch: zero them between steps.
     """
@@ -124,6 +134,7 @@ class PipelineEngine:
         bucket_cap_bytes: int = DEFAULT_BUCKET_CAP_BYTES,
         init: LayerInit = reset_parameters,
         module: StageModule | None = None,
+        tensor_parallel_plan: LayerPlans = declared_plan,
     ) -> None:
         layers = resolve_layers(layers_or_factory)
         self.num_layers = len(layers)
@@ -135,9 +146,12 @@ class PipelineEngine:
         self.bucket_cap_bytes = bucket_cap_bytes
         self._grad_sync: GradientSync | None = None
         role = groups.plan.role(*groups.worker)
-        self.module: StageModule = module or build_stage(
-            layers_or_factory, role.layers, device, seed, dtype, init
-        )
+        if module is None:
+            module = build_stage(layers_or_factory, role.layers, device, seed, dtype, init)
+            if groups.tensor_group is not None:
+                layers = {i: module.layer(i) for i in module.layer_indices}
+                parallelize_stage(layers, groups.tensor_mesh(device.type), tensor_parallel_plan)
+        self.module: StageModule = module
         self.reconfigure(groups, self.module)
 
     def reconfigure(self, groups: ProcessGroups, module: StageModule) -> None:
@@ -149,6 +163,11 @@ class PipelineEngine:
         """
         plan = groups.plan
         check_plan(plan, self.num_layers, self.tied_layers)
+        if plan.tensor_parallel > 1 and getattr(self, "groups", groups) is not groups:
+            raise ValueError(
+                "a new generation at tensor parallelism > 1: the stage's split layers belong to the previous "
+                "generation's devices; recovery of stages over several devices is not in this release"
+            )
         self.groups = groups
         self.plan = plan
         self.role = plan.role(*groups.worker)
@@ -172,18 +191,22 @@ class PipelineEngine:
         self.trace: list[Timing] | None = None
         """Set to a list to record when each action of the following steps ran (benchmarks, timelines)."""
         # Each parameter counts once in the norm: on the lowest pipeline's replica of its layer (of a tie's
-        # canonical layer).
+        # canonical layer); a parameter split over a stage's devices by each of its shards, a whole one on
+        # the stage's first device.
         tied = module.tied()
         tied_ids = {id(p) for p in tied}
+        rank = groups.tensor_rank
         self._counted = [
             p
             for i in module.layer_indices
-            if plan.layer_owners(i)[0] == groups.worker
+            if plan.layer_owners(i, rank)[0] == groups.worker
             for p in module.layer(i).parameters()
-            if id(p) not in tied_ids
+            if id(p) not in tied_ids and (rank == 0 or is_split(p))
         ]
         self._counted += [
-            p for p, tie in tied.items() if plan.layer_owners(tie.layers[0])[0] == groups.worker
+            p
+            for p, tie in tied.items()
+            if plan.layer_owners(tie.layers[0], rank)[0] == groups.worker and (rank == 0 or is_split(p))
         ]
 
     @staticmethod
@@ -193,8 +216,9 @@ class PipelineEngine:
         role = plan.role(*worker)
         pipeline = plan.pipelines[role.pipeline]
         num_stages = len(pipeline.stages)
+        # at t > 1, the devices of one tensor rank form a pipeline of their own: each sends to its counterpart
         spec = PipelineSpec(
-            tuple(pipeline.worker_of_stage(s) for s in range(num_stages)),
+            tuple(pipeline.workers_of_stage(s)[role.tensor_rank] for s in range(num_stages)),
             tuple(tuple(s.layers) for s in pipeline.stages),
             tuple(plan.microbatch_range(role.pipeline)),
         )
@@ -296,7 +320,9 @@ class PipelineEngine:
         not computed and comes back NaN.
         """
         shared = dict(shared or {})
-        part = loss if loss is not None else torch.zeros((), device=self.device)
+        # a split stage's devices all compute its loss: it counts once, on the first
+        counts = loss is not None and self.groups.tensor_rank == 0
+        part = loss if counts else torch.zeros((), device=self.device)
         values = torch.cat(
             [
                 self.grad_norm_sq().reshape(1)
@@ -313,7 +339,8 @@ class PipelineEngine:
     def evaluate(self, inputs: Any, targets: Any, context: Context | None = None) -> Tensor:
         """:meth:`eval_step`, then the global mean loss (an all-reduce over every worker, abortable)."""
         part = self.eval_step(inputs, targets, context)
-        loss = part.detach().reshape(1) if part is not None else torch.zeros(1, device=self.device)
+        counts = part is not None and self.groups.tensor_rank == 0
+        loss = part.detach().reshape(1) if counts else torch.zeros(1, device=self.device)
         return self.groups.all_reduce(loss, self.abort)[0]
 
     def grad_norm_sq(self) -> Tensor:
@@ -322,7 +349,7 @@ class PipelineEngine:
         A layer counts on its replica in the lowest-index pipeline; all-reduce (sum) the result over
         the default group to get the global squared norm.
         """
-        grads = [p.grad.detach() for p in self._counted if p.grad is not None]
+        grads = [local(p.grad).detach() for p in self._counted if p.grad is not None]
         if not grads:
             return torch.zeros((), dtype=torch.float64, device=self.device)
         # One fused pass over the gradients, in their own dtype, as clip_grad_norm_ computes its norm.

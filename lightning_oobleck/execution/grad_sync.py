@@ -3,8 +3,9 @@ the workers holding any of its layers (one all-reduce per tie, in the same step)
 
 Parameters of one stage whose layers share the same set of owners (one worker per pipeline) are
 bucketed into flat buffers (at most ``bucket_cap_bytes`` each) and all-reduced in the group of exactly
-those owners. The loss of each micro-batch is already scaled by ``b / B``, so the sum is the gradient
-of the global mean loss.
+those owners. At tensor parallelism ``t > 1`` a device sums its own shards (or copies) with the devices of
+the same tensor rank in the other pipelines, which hold the same shards. The loss of each micro-batch is
+already scaled by ``b / B``, so the sum is the gradient of the global mean loss.
 
 Overlap: during the stage's last gradient action (``B`` or ``W``), a bucket is all-reduced as soon as
 every one of its parameters has its final gradient (``register_post_accumulate_grad_hook``), while
@@ -27,6 +28,7 @@ from torch.utils.hooks import RemovableHandle
 from lightning_oobleck.execution import faults
 from lightning_oobleck.execution.process_groups import ProcessGroups
 from lightning_oobleck.execution.stage import StageModule
+from lightning_oobleck.execution.tensor_parallel import like, local
 
 DEFAULT_BUCKET_CAP_BYTES = 25 * 2**20
 """Bucket size cap, as DDP's default."""
@@ -59,8 +61,9 @@ class GradientSync:
         sizes: dict[int, int] = {}
         layers: dict[int, list[int]] = {}
         tied = {id(p) for p in module.tied()}
+        rank = groups.tensor_rank
         for index in reversed(module.layer_indices):
-            owners = groups.plan.layer_owners(index)
+            owners = groups.plan.layer_owners(index, rank)
             group = groups.grad_group(owners)
             if group is None:
                 continue
@@ -68,7 +71,8 @@ class GradientSync:
             for p in reversed([p for p in layer.parameters() if p.requires_grad and id(p) not in tied]):
                 key = (owners, p.dtype, p.device)
                 bucket = open_buckets.get(key)
-                if bucket is None or sizes[id(bucket)] + p.numel() * p.element_size() > bucket_cap_bytes:
+                nbytes = local(p).numel() * p.element_size()
+                if bucket is None or sizes[id(bucket)] + nbytes > bucket_cap_bytes:
                     bucket = open_buckets[key] = _Bucket(group, [], torch.empty(0), ())
                     sizes[id(bucket)] = 0
                     layers[id(bucket)] = []
@@ -76,7 +80,7 @@ class GradientSync:
                 if index not in layers[id(bucket)]:
                     layers[id(bucket)].append(index)
                 bucket.params.append(p)
-                sizes[id(bucket)] += p.numel() * p.element_size()
+                sizes[id(bucket)] += nbytes
         self._handles: list[RemovableHandle] = [
             p.register_post_accumulate_grad_hook(lambda _p, b=bucket: self._on_gradient(b))
             for bucket in self.buckets
@@ -85,14 +89,15 @@ class GradientSync:
         # Ties last, in the model's order on every rank (their owners sit on different stages, whose
         # backwards end at different times): :meth:`flush` issues them after the stage's last backward.
         for p, tie in module.tied().items():
-            group = groups.grad_group(groups.plan.tie_owners(tie.layers))
+            group = groups.grad_group(groups.plan.tie_owners(tie.layers, rank))
             if group is not None and p.requires_grad:
                 held = tuple(i for i in tie.layers if i in module.layer_indices)
                 self.buckets.append(_Bucket(group, [p], torch.empty(0), held))
         for bucket in self.buckets:
             bucket.layers = bucket.layers or tuple(layers[id(bucket)])
             p = bucket.params[0]
-            bucket.flat = torch.zeros(sum(q.numel() for q in bucket.params), dtype=p.dtype, device=p.device)
+            size = sum(local(q).numel() for q in bucket.params)
+            bucket.flat = torch.zeros(size, dtype=p.dtype, device=local(p).device)
         self._armed = False
         self._next = 0
         self._works: list[dist.Work] = []
@@ -119,7 +124,7 @@ class GradientSync:
             self._issue(self.buckets[self._next])
 
     def _issue(self, bucket: _Bucket) -> None:
-        grads = [torch.zeros_like(p) if p.grad is None else p.grad for p in bucket.params]
+        grads = [torch.zeros_like(local(p)) if p.grad is None else local(p.grad) for p in bucket.params]
         torch.cat([g.reshape(-1) for g in grads], out=bucket.flat)
         with self.groups.waiter.issuing():
             self._works.append(dist.all_reduce(bucket.flat, group=bucket.group, async_op=True))
@@ -143,12 +148,13 @@ class GradientSync:
         for bucket in self.buckets:
             offset = 0
             for p in bucket.params:
-                summed = bucket.flat[offset : offset + p.numel()].view_as(p)
-                offset += p.numel()
+                shard = local(p)
+                summed = bucket.flat[offset : offset + shard.numel()].view_as(shard)
+                offset += shard.numel()
                 if p.grad is None:
-                    p.grad = summed.clone()
+                    p.grad = like(p, summed.clone())
                 else:
-                    p.grad.copy_(summed)
+                    local(p.grad).copy_(summed)
 
     def close(self) -> None:
         for handle in self._handles:

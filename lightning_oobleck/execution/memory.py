@@ -19,6 +19,8 @@ from types import TracebackType
 import torch
 from torch import Tensor
 
+from lightning_oobleck.execution.tensor_parallel import local
+
 
 class _Saved:
     """A saved tensor whose lifetime (until autograd frees it) is reported to the meter."""
@@ -67,7 +69,7 @@ class SavedTensorMeter:
 
     def __init__(self, exclude: Iterable[Tensor] = ()) -> None:
         excluded = list(exclude)
-        self._excluded = {t.untyped_storage().data_ptr() for t in excluded}
+        self._excluded = {local(t).untyped_storage().data_ptr() for t in excluded}
         self._parameters = {id(t) for t in excluded}
         self._refs: dict[tuple[int, int], int] = {}
         """Reference counts of live saved views, keyed by (address, bytes)."""
@@ -85,11 +87,12 @@ class SavedTensorMeter:
         self._hooks.__exit__(kind, value, tb)
 
     def _pack(self, t: Tensor) -> _Saved | Tensor:
-        if t.untyped_storage().data_ptr() in self._excluded or _casts_parameter(t, self._parameters):
+        held = local(t)  # a split tensor (DTensor) counts by the shard this device holds
+        if held.untyped_storage().data_ptr() in self._excluded or _casts_parameter(t, self._parameters):
             return t
         # detached: a saved output holding its own grad_fn would keep its graph alive in a reference cycle
         # that only running the backward without retain_graph breaks
-        return _Saved(t.detach(), self, (t.data_ptr(), t.numel() * t.element_size()))
+        return _Saved(t.detach(), self, (held.data_ptr(), held.numel() * held.element_size()))
 
     @staticmethod
     def _unpack(packed: _Saved | Tensor) -> Tensor:

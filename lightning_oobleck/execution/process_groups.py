@@ -1,9 +1,11 @@
 """The one owner of torch.distributed state for one generation of a plan.
 
 Every process that runs a worker of a plan creates one :class:`ProcessGroups`; it creates the generation's
-*world* group over the plan's workers (rank = position in ``plan.workers``) and one gradient group per
-distinct set of layer owners (and of a tie's owners), hands them out (:attr:`ProcessGroups.world`,
-:meth:`ProcessGroups.grad_group`, :meth:`ProcessGroups.device_mesh`) and issues the generation's
+*world* group over the plan's workers (rank = position in ``plan.workers``), one gradient group per
+distinct set of layer owners (and of a tie's owners; at tensor parallelism ``t > 1``, per shard: the owners
+of the same shard in every pipeline), and at ``t > 1`` one *tensor* group per stage (its ``t`` workers of one
+node), hands them out (:attr:`ProcessGroups.world`, :meth:`ProcessGroups.grad_group`,
+:meth:`ProcessGroups.device_mesh`, :meth:`ProcessGroups.tensor_mesh`) and issues the generation's
 collectives through its abortable :class:`~lightning_oobleck.execution.comm.CommWaiter`. Every collective
 and point-to-point call of the package names its group. After a failure, recovery calls
 :meth:`ProcessGroups.abort` and creates the next generation in the same process; the generation prefixes
@@ -96,6 +98,14 @@ class ProcessGroups:
         """The group of every worker of the generation (ranks: positions in ``plan.workers``)."""
         self._grad_groups: dict[tuple[int, ...], dist.ProcessGroup] = {}
         self._all_groups: list[dist.ProcessGroup] = [self.world]
+        role = plan.role(*worker)
+        self.tensor_rank = role.tensor_rank
+        """This worker's rank among its stage's ``t`` devices (0 at ``t = 1``)."""
+        stage_ranks = tuple(
+            self._ranks[w] for w in plan.pipelines[role.pipeline].workers_of_stage(role.stage)
+        )
+        self.tensor_group: dist.ProcessGroup | None = None
+        """The group of this worker's stage (its ``t`` workers; ``None`` at ``t = 1``)."""
         try:
             for ranks in self._owner_rank_sets():
                 # new_group is collective over the world group: every rank creates every group, same order.
@@ -103,6 +113,11 @@ class ProcessGroups:
                 self._all_groups.append(group)
                 if self.rank in ranks:
                     self._grad_groups[ranks] = group
+            for ranks in self._stage_rank_sets():
+                group = dist.new_group(list(ranks), timeout=timeout)
+                self._all_groups.append(group)
+                if ranks == stage_ranks:
+                    self.tensor_group = group
         except RuntimeError:  # a peer lost while connecting: leave without waiting for it
             _ABORTED.extend(self._all_groups)
             self._leave()
@@ -113,10 +128,24 @@ class ProcessGroups:
 
     def _owner_rank_sets(self) -> list[tuple[int, ...]]:
         plan = self.plan
-        owner_sets = [plan.layer_owners(layer) for layer in range(plan.num_layers)]
-        owner_sets += [plan.tie_owners(layers) for layers in plan.tied_layers]
+        owner_sets = [
+            owners
+            for r in range(plan.tensor_parallel)
+            for owners in [plan.layer_owners(layer, r) for layer in range(plan.num_layers)]
+            + [plan.tie_owners(layers, r) for layers in plan.tied_layers]
+        ]
         sets = {tuple(sorted(self._ranks[w] for w in owners)) for owners in owner_sets}
         return sorted(s for s in sets if len(s) > 1)
+
+    def _stage_rank_sets(self) -> list[tuple[int, ...]]:
+        """Every stage's ranks, for its tensor group (none at ``t = 1``)."""
+        if self.plan.tensor_parallel == 1:
+            return []
+        return sorted(
+            tuple(self._ranks[w] for w in p.workers_of_stage(s))
+            for p in self.plan.pipelines
+            for s in range(len(p.stages))
+        )
 
     def rank_of(self, worker: Worker) -> int:
         """Global rank of ``worker`` in this generation."""
@@ -135,7 +164,19 @@ class ProcessGroups:
         """A one-dimensional ``DeviceMesh`` over the generation's world group (for DTensor), on
         ``device_type`` (default: the backend's: ``cuda`` with NCCL, else ``cpu``)."""
         device_type = device_type or ("cuda" if self.backend == "nccl" else "cpu")
-        return DeviceMesh.from_group(self.world, device_type)
+        return DeviceMesh.from_group(self.world, device_type, mesh_dim_names=(f"world{self.generation}",))
+
+    def tensor_mesh(self, device_type: str | None = None) -> DeviceMesh:
+        """A one-dimensional ``DeviceMesh`` over this worker's stage (its tensor group), on which its layers
+        are split (``torch.distributed.tensor.parallel``); at ``t = 1`` an error."""
+        if self.tensor_group is None:
+            raise ValueError("the plan runs each stage on one device: there is no tensor-parallel mesh")
+        device_type = device_type or ("cuda" if self.backend == "nccl" else "cpu")
+        # Named by generation: DTensor caches its plans by the mesh's value (ranks, names), and a later
+        # generation's mesh over the same ranks must not reuse plans that name an earlier generation's group.
+        return DeviceMesh.from_group(
+            self.tensor_group, device_type, mesh_dim_names=(f"tensor{self.generation}",)
+        )
 
     @property
     def destroyed(self) -> bool:
@@ -190,6 +231,7 @@ class ProcessGroups:
     def _leave(self) -> None:
         self._grad_groups.clear()
         self._all_groups.clear()
+        self.tensor_group = None
         if dist.is_initialized():
             dist.destroy_process_group()
 

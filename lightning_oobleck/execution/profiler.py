@@ -8,21 +8,29 @@ GPU and the wall clock elsewhere. Memory is counted, not estimated: parameter by
 layer's output (what crosses a stage boundary) and the bytes of the tensors autograd saves for the
 backward (what each in-flight micro-batch keeps alive), found with ``saved_tensors_hooks``
 (:class:`SavedTensorMeter`). Results are cached on disk under a key of everything that changes them.
+
+At each tensor-parallel degree ``t`` asked for, every layer is split by its plan and profiled again as one
+rank of a stage of ``t`` devices (:func:`~lightning_oobleck.execution.tensor_parallel.one_rank_of`): its own
+compute on this device, its shard's bytes, and the size of each collective its forward and backward run
+(which the cost model charges at the cluster's tensor-parallel bandwidth). A model with a layer that has no
+plan is profiled at ``t = 1`` only, and its profile says which layer (``meta["tensor_parallel"]``).
 """
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import statistics
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any, TypeVar
 
 import torch
 import torch.utils._pytree as pytree
 from torch import Tensor, nn
+from torch.distributed.device_mesh import DeviceMesh
 
 from lightning_oobleck.execution.backward import backward_input, backward_weight, splits_backward
 from lightning_oobleck.execution.memory import SavedTensorMeter
@@ -34,6 +42,14 @@ from lightning_oobleck.execution.stage import (
     forward_layers,
     reset_parameters,
     resolve_layers,
+)
+from lightning_oobleck.execution.tensor_parallel import (
+    CollectiveMeter,
+    LayerPlans,
+    declared_plan,
+    local,
+    one_rank_of,
+    parallelize_stage,
 )
 from lightning_oobleck.planning.profile import LayerProfile, ModelProfile
 
@@ -53,6 +69,8 @@ def profile_layers(
     example_target: Any = None,
     init: LayerInit = reset_parameters,
     example_context: Context | None = None,
+    tensor_parallel: Sequence[int] = (),
+    tensor_parallel_plan: LayerPlans = declared_plan,
 ) -> ModelProfile:
     """Profile every layer for the micro-batch ``example_input`` (the first layer's input: a tensor or a
     pytree of tensors, ``[b, ...]`` each) with the side inputs ``example_context``.
@@ -66,6 +84,9 @@ def profile_layers(
 
     With ``cache_dir``, a profile measured earlier for the same layers (structure and parameter
     shapes), input shape and dtype, model dtype, autocast, device and torch version is returned from disk.
+
+    ``tensor_parallel``: the degrees ``t > 1`` to profile too (:attr:`ModelProfile.sharded`), each layer split
+    by ``tensor_parallel_plan``; it needs a process with no process group (see the module's docstring).
     """
     context = dict(example_context or {})
     autocast = _autocast(device)
@@ -79,6 +100,7 @@ def profile_layers(
         repeat,
         loss_fn,
         example_target,
+        sorted(set(tensor_parallel) - {1}),
     )
     cached = Path(cache_dir) / f"profile-{key[:20]}.json" if cache_dir is not None else None
     if cached is not None and cached.exists():
@@ -86,21 +108,32 @@ def profile_layers(
     x = pytree.tree_map(lambda t: t.to(device), example_input)
     context = pytree.tree_map(lambda t: t.to(device), context)
     leaves = pytree.tree_leaves(example_input)
-    layers = []
-    last = len(resolve_layers(layers_or_factory)) - 1
-    parameter_dtype = dtype or torch.get_default_dtype()
-    for index in range(last + 1):
-        # One layer on the device at a time: a model larger than the device can be profiled.
-        stage = build_stage(layers_or_factory, [index], device, seed, dtype, init, tied_values=False)
-        layer = stage.layer(index)
-        parameter_dtype = next((p.dtype for p in layer.parameters()), parameter_dtype)
-        loss = None
-        if index == last and loss_fn is not None and example_target is not None:
-            target = pytree.tree_map(lambda t: t.to(device), example_target)
-            loss = lambda out, target=target: loss_fn(out, target)  # noqa: E731
-        profile, x = _profile_layer(layer, x, context, device, warmup, repeat, loss, input_grad=index > 0)
-        layers.append(profile)
-        del layer, stage
+    target = None if example_target is None else pytree.tree_map(lambda t: t.to(device), example_target)
+    measure = functools.partial(
+        _profile_pass,
+        layers_or_factory,
+        x,
+        context,
+        device,
+        dtype,
+        seed,
+        init,
+        warmup,
+        repeat,
+        loss_fn,
+        target,
+    )
+    layers, parameter_dtype = measure(None, tensor_parallel_plan)
+    sharded: dict[int, tuple[LayerProfile, ...]] = {}
+    degrees = sorted(set(tensor_parallel) - {1})
+    unplanned = [
+        f"layer {i} ({type(layer).__name__})"
+        for i, layer in enumerate(resolve_layers(layers_or_factory))
+        if tensor_parallel_plan(i, layer) is None
+    ]
+    for t in degrees if not unplanned else ():
+        with one_rank_of(t, device.type) as mesh:
+            sharded[t] = tuple(measure(mesh, tensor_parallel_plan)[0])
     dtype_name = str(parameter_dtype).removeprefix("torch.")
     result = ModelProfile(
         tuple(layers),
@@ -112,12 +145,63 @@ def profile_layers(
             "torch": torch.__version__,
             "input_shape": list(leaves[0].shape),
             "autocast": autocast,
+            **(
+                {"tensor_parallel": f"no tensor-parallel plan: {', '.join(unplanned)}"}
+                if degrees and unplanned
+                else {}
+            ),
         },
+        sharded=sharded,
     )
     if cached is not None:
         cached.parent.mkdir(parents=True, exist_ok=True)
         result.save(cached)
     return result
+
+
+def _profile_pass(
+    source: LayerSource,
+    x: Any,
+    context: Context,
+    device: torch.device,
+    dtype: torch.dtype | None,
+    seed: int,
+    init: LayerInit,
+    warmup: int,
+    repeat: int,
+    loss_fn: LossFn | None,
+    target: Any,
+    mesh: DeviceMesh | None,
+    plans: LayerPlans,
+) -> tuple[list[LayerProfile], torch.dtype]:
+    """Every layer profiled in turn, each fed the previous one's output; split over ``mesh`` when given."""
+    layers = []
+    last = len(resolve_layers(source)) - 1
+    parameter_dtype = dtype or torch.get_default_dtype()
+    for index in range(last + 1):
+        # One layer on the device at a time: a model larger than the device can be profiled.
+        stage = build_stage(source, [index], device, seed, dtype, init, tied_values=False)
+        layer = stage.layer(index)
+        if mesh is not None:
+            parallelize_stage({index: layer}, mesh, plans)
+        parameter_dtype = next((p.dtype for p in layer.parameters()), parameter_dtype)
+        loss = None
+        if index == last and loss_fn is not None and target is not None:
+            loss = lambda out, target=target: loss_fn(out, target)  # noqa: E731
+        profile, x = _profile_layer(
+            layer,
+            x,
+            context,
+            device,
+            warmup,
+            repeat,
+            loss,
+            input_grad=index > 0,
+            collectives=mesh is not None,
+        )
+        layers.append(profile)
+        del layer, stage
+    return layers, parameter_dtype
 
 
 def _cache_key(
@@ -130,6 +214,7 @@ def _cache_key(
     repeat: int,
     loss_fn: LossFn | None,
     example_target: Any,
+    tensor_parallel: list[int],
 ) -> str:
     layers = resolve_layers(source)
     described = {
@@ -147,6 +232,7 @@ def _cache_key(
         "loss": None
         if loss_fn is None or example_target is None
         else [getattr(loss_fn, "__qualname__", repr(loss_fn)), _shapes(example_target)],
+        **({"tensor_parallel": tensor_parallel} if tensor_parallel else {}),
     }
     return hashlib.sha256(json.dumps(described, sort_keys=True).encode()).hexdigest()
 
@@ -174,9 +260,11 @@ def _profile_layer(
     repeat: int,
     loss: Callable[[Any], Tensor] | None,
     input_grad: bool,
+    collectives: bool = False,
 ) -> tuple[LayerProfile, Any]:
     """One layer's profile; ``input_grad``: whether its input needs a gradient (not the model's first layer,
-    whose input is the data: its backward computes no input gradient in the pipeline either)."""
+    whose input is the data: its backward computes no input gradient in the pipeline either);
+    ``collectives``: one more pass, untimed, records a split layer's collectives, forward and backward."""
 
     def forward() -> tuple[Any, list[Tensor], list[Tensor]]:
         inputs = pytree.tree_map(lambda t: t.detach().requires_grad_(input_grad and t.is_floating_point()), x)
@@ -207,15 +295,24 @@ def _profile_layer(
             forward_s.append(t_fwd)
             input_s.append(t_in)
             weight_s.append(t_weight)
+    forward_meter, backward_meter = CollectiveMeter(), CollectiveMeter()
+    if collectives:
+        with forward_meter:
+            out, roots, leaves = forward()
+        with backward_meter:
+            backward_weight(backward_input(roots, [torch.ones_like(r) for r in roots], leaves, split, whole))
+        layer.zero_grad(set_to_none=True)
     sent = [t for t in pytree.tree_leaves(out) if isinstance(t, Tensor)]
     weight = statistics.median(weight_s)
     profile = LayerProfile(
         forward_s=statistics.median(forward_s),
         backward_s=statistics.median(input_s) + weight,
         weight_grad_s=weight,
-        parameter_bytes=sum(p.numel() * p.element_size() for p in layer.parameters()),
+        parameter_bytes=sum(local(p).numel() * p.element_size() for p in layer.parameters()),
         output_activation_bytes=sum(t.numel() * t.element_size() for t in sent),
         activation_bytes=saved_bytes,
+        tensor_parallel_forward_bytes=tuple(forward_meter.sizes),
+        tensor_parallel_backward_bytes=tuple(backward_meter.sizes),
     )
     return profile, pytree.tree_map(lambda t: t.detach() if isinstance(t, Tensor) else t, out)
 

@@ -264,13 +264,16 @@ class Plan:
                     return WorkerRole(pi, si, s.layers, device - s.device)
         raise KeyError(f"worker (node={node}, device={device}) has no stage in this plan")
 
-    def layer_owners(self, layer: int) -> tuple[Worker, ...]:
-        """The workers holding a replica of ``layer``, one per pipeline, in pipeline order."""
-        return tuple(p.worker_of_stage(si) for p in self.pipelines for si in self._stages_of(p, layer))
+    def layer_owners(self, layer: int, tensor_rank: int = 0) -> tuple[Worker, ...]:
+        """The workers holding a replica of ``layer``, one per pipeline, in pipeline order: at tensor
+        parallelism ``t > 1``, those holding its ``tensor_rank``-th shard (the same in every pipeline)."""
+        return tuple(
+            p.workers_of_stage(si)[tensor_rank] for p in self.pipelines for si in self._stages_of(p, layer)
+        )
 
-    def tie_owners(self, layers: Sequence[int]) -> tuple[Worker, ...]:
-        """The workers holding any of ``layers`` (a tie), in rank order."""
-        return tuple(sorted({w for layer in layers for w in self.layer_owners(layer)}))
+    def tie_owners(self, layers: Sequence[int], tensor_rank: int = 0) -> tuple[Worker, ...]:
+        """The workers holding any of ``layers`` (a tie), in rank order (of the ``tensor_rank``-th shard)."""
+        return tuple(sorted({w for layer in layers for w in self.layer_owners(layer, tensor_rank)}))
 
     @staticmethod
     def _stages_of(p: Pipeline, layer: int) -> Iterator[int]:

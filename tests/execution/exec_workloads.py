@@ -11,6 +11,7 @@ import torch
 import torch.distributed as dist
 from gpt.model import GPTConfig, gpt_layers, gpt_loss
 from torch import Tensor
+from torch.distributed.tensor import DTensor
 
 from lightning_oobleck.execution import PeerFailure, PipelineEngine, ProcessGroups, build_reference_model
 from lightning_oobleck.execution.memory import SavedTensorMeter
@@ -87,7 +88,8 @@ def train_layout(
                 )
             norm = engine.grad_norm_sq()
             dist.all_reduce(norm)
-            total = torch.zeros((), dtype=torch.float64) if loss is None else loss
+            counts = loss is not None and groups.tensor_rank == 0  # a split stage's loss counts once
+            total = loss if counts else torch.zeros((), dtype=torch.float64)
             dist.all_reduce(total)  # each pipeline's last stage adds its share of the global loss
             losses.append(total.item())
             norms.append(norm.item())
@@ -99,7 +101,8 @@ def train_layout(
             inputs[engine.batch_slice] if engine.is_first_stage else None,
             targets[engine.batch_slice] if engine.is_last_stage else None,
         )
-        total = torch.zeros((), dtype=torch.float64) if eval_loss is None else eval_loss
+        counts = eval_loss is not None and groups.tensor_rank == 0
+        total = eval_loss if counts else torch.zeros((), dtype=torch.float64)
         dist.all_reduce(total)
         return {
             "rank": groups.rank,
@@ -110,10 +113,15 @@ def train_layout(
             "norms": norms,
             "eval": total.item(),
             "seen": seen,
-            "params": {n: p.detach().clone() for n, p in engine.module.named_parameters()},
+            "params": {n: whole(p).detach().clone() for n, p in engine.module.named_parameters()},
         }
     finally:
         groups.destroy()
+
+
+def whole(param: torch.Tensor) -> torch.Tensor:
+    """A parameter's whole value: a split one gathered from its stage's devices (a collective over them)."""
+    return param.full_tensor() if isinstance(param, DTensor) else param
 
 
 def join_groups(

@@ -1,0 +1,73 @@
+"""Profiling one rank of a split layer: its shard's bytes, what it keeps, and the collectives it runs,
+measured in one process (torch's fake process group answers the other ranks)."""
+
+from __future__ import annotations
+
+import exec_workloads as wl
+import pytest
+import torch
+from gpt.model import Block
+
+from lightning_oobleck.execution import profile_layers
+from lightning_oobleck.planning import ClusterSpec, make_plan
+
+
+@pytest.fixture(scope="module")
+def profile():
+    inputs, targets = wl.global_batch(0, 2)
+    return profile_layers(
+        wl.model,
+        inputs,
+        wl.CPU,
+        torch.float64,
+        0,
+        1,
+        loss_fn=wl.gpt_loss,
+        example_target=targets,
+        tensor_parallel=(2,),
+    )
+
+
+def test_one_rank_holds_its_shard_and_runs_megatrons_all_reduces(profile) -> None:
+    c = wl.CONFIG
+    d, v, e = c.d_model, c.vocab_size, 8  # float64
+    whole, half = profile.at(1).layers, profile.at(2).layers
+    tokens = 2 * c.seq_len * d * e  # one micro-batch's activations between layers
+    # the embedding splits its vocabulary, a block its four products (biases of the row-parallel ones whole)
+    assert half[0].parameter_bytes == (v // 2 + c.seq_len) * d * e
+    block = 2 * d + 3 * d * d + 3 * d + d * d + d + 2 * d + 4 * d * d + 4 * d + 4 * d * d + d
+    assert whole[1].parameter_bytes == block * e
+    assert half[1].parameter_bytes == (4 * d + (12 * d * d + 7 * d) // 2 + 2 * d) * e
+    assert half[5].parameter_bytes == (2 * d + v * d // 2) * e
+    assert half[1].activation_bytes < whole[1].activation_bytes
+    # a block: two all-reduces of its output forward (after the row-parallel products), two backward
+    assert half[1].tensor_parallel_forward_bytes == half[1].tensor_parallel_backward_bytes == (tokens, tokens)
+    assert half[0].tensor_parallel_forward_bytes == (tokens,) and half[0].tensor_parallel_backward_bytes == ()
+    # the head gathers the logits forward (an all-gather: half an all-reduce of the gathered bytes)
+    logits = 2 * c.seq_len * v * e
+    assert half[5].tensor_parallel_forward_bytes == (logits // 2,)
+    assert half[5].tensor_parallel_backward_bytes == (tokens,)
+    assert all(la.tensor_parallel_forward_bytes == () for la in whole)
+    assert all(
+        a.output_activation_bytes == b.output_activation_bytes for a, b in zip(whole, half, strict=True)
+    )
+
+
+def test_a_layer_without_a_plan_keeps_the_model_at_one_device_per_stage_and_is_named() -> None:
+    class Plain(Block):  # a block that declares no plan
+        tensor_parallel_plan = None
+
+    def model():
+        layers = wl.model()
+        layers[2] = Plain(wl.CONFIG)
+        return layers
+
+    inputs, _ = wl.global_batch(0, 2)
+    profile = profile_layers(model, inputs, wl.CPU, torch.float64, 0, 1, tensor_parallel=(2,))
+    assert profile.tensor_parallel_degrees == (1,)
+    assert profile.meta["tensor_parallel"] == "no tensor-parallel plan: layer 2 (Plain)"
+    plan = make_plan(
+        profile, ClusterSpec(2, 2), fault_tolerance=1, global_batch_size=4, tensor_parallel="auto"
+    )
+    assert plan.tensor_parallel == 1
+    assert any("declare no tensor-parallel plan" in w for w in plan.warnings)
