@@ -35,6 +35,7 @@ from lightning_oobleck.execution.stage import (
 )
 from lightning_oobleck.execution.tensor_parallel import (
     LayerPlans,
+    check_split_for,
     declared_plan,
     is_split,
     local,
@@ -163,11 +164,8 @@ class PipelineEngine:
         """
         plan = groups.plan
         check_plan(plan, self.num_layers, self.tied_layers)
-        if plan.tensor_parallel > 1 and getattr(self, "groups", groups) is not groups:
-            raise ValueError(
-                "a new generation at tensor parallelism > 1: the stage's split layers belong to the previous "
-                "generation's devices; recovery of stages over several devices is not in this release"
-            )
+        if groups.tensor_group is not None:
+            check_split_for(module, groups)
         self.groups = groups
         self.plan = plan
         self.role = plan.role(*groups.worker)

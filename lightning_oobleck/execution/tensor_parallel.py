@@ -22,7 +22,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch.distributed as dist
 from torch import Tensor, nn
@@ -30,6 +30,9 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.parallel import ParallelStyle, parallelize_module
 from torch.utils._python_dispatch import TorchDispatchMode
+
+if TYPE_CHECKING:
+    from lightning_oobleck.execution.process_groups import ProcessGroups
 
 TensorParallelPlan = Mapping[str, ParallelStyle]
 """Submodule names of one layer (relative to it, ``"attn.q_proj"``) to the style that splits them."""
@@ -68,6 +71,18 @@ def _grad_like_param(param: Tensor) -> None:
     grad = param.grad
     if isinstance(grad, DTensor) and grad.placements != param.placements:
         param.grad = grad.redistribute(param.device_mesh, param.placements)
+
+
+def check_split_for(module: nn.Module, groups: ProcessGroups) -> None:
+    """Refuse a module whose split parameters belong to another generation's devices than ``groups``'s (a
+    split layer runs its collectives on the mesh it was split over: a new generation splits it anew)."""
+    mesh = groups.tensor_mesh()
+    stale = [n for n, p in module.named_parameters() if isinstance(p, DTensor) and p.device_mesh != mesh]
+    if stale:
+        raise ValueError(
+            f"parameters {stale[:3]} are split over another generation's devices than generation "
+            f"{groups.generation}'s: split the layers anew for it (transfer_state does)"
+        )
 
 
 def local(tensor: Tensor) -> Tensor:

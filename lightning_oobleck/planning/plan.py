@@ -190,6 +190,20 @@ class LayerCopy:
         """The worker that newly holds the layer."""
         return Worker(self.to_node, self.to_device)
 
+    def at_tensor_rank(self, rank: int) -> LayerCopy:
+        """The same copy between the devices of tensor rank ``rank`` of the stages involved (a copy names each
+        stage by its first device): at tensor parallelism ``t > 1`` each shard moves between counterparts."""
+        if rank == 0:
+            return self
+        return LayerCopy(
+            self.layer,
+            self.to_node,
+            self.from_node,
+            self.to_device + rank,
+            self.from_device + rank,
+            tuple(Worker(w.node, w.device + rank) for w in self.replicas),
+        )
+
 
 @dataclass(frozen=True)
 class Plan:

@@ -18,7 +18,11 @@ on the *new* generation's world group, in three exchanges:
    flight). With NCCL the tensors stay on the device.
 
 Received layers are allocated empty (materialised from the meta device, never initialised) and written
-once. Layers a worker keeps stay the very same tensors. Every wait is bounded and abortable (the
+once. Layers a worker keeps stay the very same tensors, except at tensor parallelism ``t > 1``: each device
+of a stage copies the shards of its own tensor rank, between counterparts
+(:meth:`LayerCopy.at_tensor_rank`), and the layers it keeps are split anew over the new generation's devices
+(their shards copied locally into layers built for the new mesh: a split layer belongs to the mesh it was
+split over). Every wait is bounded and abortable (the
 generation's :class:`~lightning_oobleck.execution.comm.CommWaiter`): a failure during the copy raises
 :class:`~lightning_oobleck.execution.errors.PeerFailure` and leaves the worker's old state untouched, since
 the copy writes only into tensors it allocated.
@@ -41,6 +45,13 @@ from torch import Tensor, nn
 from lightning_oobleck.execution import faults
 from lightning_oobleck.execution.process_groups import ProcessGroups
 from lightning_oobleck.execution.stage import StageModule, Tie
+from lightning_oobleck.execution.tensor_parallel import (
+    LayerPlans,
+    declared_plan,
+    like,
+    local,
+    parallelize_stage,
+)
 from lightning_oobleck.planning.plan import LayerCopy
 from lightning_oobleck.worker import Worker
 
@@ -111,7 +122,7 @@ class _Spec(NamedTuple):
 def _streamed(value: Any, parameter: Tensor) -> bool:
     """Whether an optimizer state entry moves as a tensor stream (else by value in the header): a tensor of
     one or more dimensions where its parameter lives (AdamW's moments; not its 0-d ``step`` on the CPU)."""
-    return isinstance(value, Tensor) and value.dim() > 0 and value.device == parameter.device
+    return isinstance(value, Tensor) and value.dim() > 0 and local(value).device == local(parameter).device
 
 
 def _owned(layer: int, name: str, ties: Sequence[Tie], wanted: Sequence[int]) -> bool:
@@ -133,10 +144,11 @@ def _layer_tensors(
         name = names[p]
         if not _owned(layer, name, module.ties, wanted):
             continue
-        yield _Spec(name, None, tuple(p.shape), p.dtype), p.detach(), None
+        shard = local(p.detach())  # at t > 1, this device's shard
+        yield _Spec(name, None, tuple(shard.shape), p.dtype), shard, None
         for key, value in sorted(state.get(name, {}).items()):
             if _streamed(value, p):
-                yield _Spec(name, key, tuple(value.shape), value.dtype), value, None
+                yield _Spec(name, key, tuple(local(value).shape), value.dtype), local(value), None
             else:
                 yield _Spec(name, key, (), torch.uint8), None, value
     for buffer_name, buffer in module.layer(layer).named_buffers():
@@ -365,20 +377,48 @@ def _allocate(
                     target = _buffer_as_sent(
                         fresh.layer(layer), spec.name.removeprefix(f"layers.{layer}."), spec
                     )
-                if target is None or tuple(target.shape) != spec.shape or target.dtype != spec.dtype:
-                    got = "none" if target is None else f"{tuple(target.shape)} {target.dtype}"
+                shard = None if target is None else local(target.detach())
+                if shard is None or tuple(shard.shape) != spec.shape or shard.dtype != spec.dtype:
+                    got = "none" if shard is None else f"{tuple(shard.shape)} {shard.dtype}"
                     raise ValueError(
                         f"the state copy sends {spec.name} as {spec.shape} {spec.dtype}, but the layer built "
                         f"here has {got}: every process must build the model with the same code and precision"
                     )
-                tensors[layer].append(target.detach())
+                tensors[layer].append(shard)
             elif value is None:
-                target = torch.empty(spec.shape, dtype=spec.dtype, device=names[spec.name].device)
-                state.setdefault(spec.name, {})[spec.key] = target
+                param = names[spec.name]
+                target = torch.empty(spec.shape, dtype=spec.dtype, device=local(param).device)
+                state.setdefault(spec.name, {})[spec.key] = like(param, target)
                 tensors[layer].append(target)
             else:
                 state.setdefault(spec.name, {})[spec.key] = value
     return fresh, state, tensors
+
+
+def _split_anew(
+    module: StageModule, state: ParamState, kept: Sequence[int], build: LayerBuilder
+) -> tuple[dict[int, nn.Module], ParamState]:
+    """The kept layers ``kept`` split over the new generation's devices: layers built for its mesh, each shard
+    and buffer copied in from the old layer (this device's own, no communication), and their optimizer state
+    holding the same local tensors under the new mesh."""
+    built = build(kept)
+    old_names = module.global_names()
+    new_names = {name: p for p, name in built.global_names().items()}
+    moved: ParamState = {}
+    with torch.no_grad():
+        for index in kept:
+            old, new = module.layer(index), built.layer(index)
+            for p in old.parameters():
+                name = old_names[p]
+                target = new_names[name]
+                local(target).copy_(local(p))
+                moved[name] = {
+                    k: like(target, local(v)) if isinstance(v, Tensor) and v.dim() > 0 else v
+                    for k, v in state.get(name, {}).items()
+                }
+            for name, buffer in old.named_buffers():
+                new.get_buffer(name).copy_(buffer)
+    return {i: built.layer(i) for i in kept}, {name: s for name, s in moved.items() if s}
 
 
 def _buffer_as_sent(layer: nn.Module, name: str, spec: _Spec) -> Tensor | None:
@@ -407,6 +447,7 @@ def transfer_state(
     abort: threading.Event,
     device: torch.device | None = None,
     bucket_bytes: int = BUCKET_BYTES,
+    tensor_parallel_plan: LayerPlans = declared_plan,
 ) -> tuple[StageModule, ParamState, CopyStats]:
     """This worker's module and optimizer state under ``groups.plan``, filled from surviving replicas, and
     what its copy moved.
@@ -414,10 +455,11 @@ def transfer_state(
     ``module``/``state``: what this worker holds under the previous plan (the layers it keeps are
     reused as they are; a joiner holds none). Collective over every worker of the new generation: each
     sends its share of what the copy list asks of it and receives what it newly holds. ``device``: where
-    the layers live (by default, where ``module``'s do). Raises ``PeerFailure`` on abort or a lost peer.
+    the layers live (by default, where ``module``'s do). ``tensor_parallel_plan``: how layers split at
+    tensor parallelism ``t > 1`` (the model's). Raises ``PeerFailure`` on abort or a lost peer.
     """
     me = groups.worker
-    copies = list(copies)
+    copies = [c.at_tensor_rank(groups.tensor_rank) for c in copies]
     incoming = [c for c in copies if c.receiver == me]
     new_layers = list(groups.plan.role(*me).layers)
     missing = set(new_layers) - set(module.layer_indices) - {c.layer for c in incoming}
@@ -426,7 +468,15 @@ def transfer_state(
     wanted: dict[Worker, list[int]] = defaultdict(list)
     for c in copies:
         wanted[c.receiver].append(c.layer)
-    device = device or next(iter(module.parameters())).device
+    device = device or local(next(iter(module.parameters()))).device
+
+    def build(indices: Iterable[int]) -> StageModule:
+        """The layers allocated empty, split over the new generation's stage devices at ``t > 1``."""
+        built = build_layers(indices)
+        if groups.tensor_group is not None:
+            split = {i: built.layer(i) for i in built.layer_indices}
+            parallelize_stage(split, groups.tensor_mesh(device.type), tensor_parallel_plan)
+        return built
 
     described: dict[Worker, list[int]] = defaultdict(list)  # receiver -> layers this worker describes
     for c in copies:
@@ -446,7 +496,7 @@ def transfer_state(
     for message in headers.values():
         loaded = torch.load(io.BytesIO(message), map_location="cpu", weights_only=True)
         received.update({layer: [(_Spec(*t[:4]), t[4]) for t in specs] for layer, specs in loaded.items()})
-    fresh, fresh_state, fresh_tensors = _allocate(received, build_layers, device)
+    fresh, fresh_state, fresh_tensors = _allocate(received, build, device)
 
     def sent_tensors(receiver: Worker, layer: int) -> list[Tensor]:
         return [t for _, t, _ in _layer_tensors(module, state, layer, wanted[receiver]) if t is not None]
@@ -460,11 +510,15 @@ def transfer_state(
     _run_streams(groups, outgoing, incoming_streams, device, abort)
 
     layers = {i: module.layer(i) for i in new_layers if i in module.layer_indices}
+    kept_state: ParamState = {}
+    if groups.tensor_group is not None and layers:
+        layers, kept_state = _split_anew(module, state, sorted(layers), build)
     layers.update({i: fresh.layer(i) for i in fresh.layer_indices})
     ties = sorted(set(module.ties) | set(fresh.ties), key=lambda tie: tie.members)
     new_module = StageModule(layers, ties)  # a tie's members held here are one parameter again
     names = set(new_module.global_names().values())
     new_state = {name: s for name, s in state.items() if name in names}
+    new_state.update(kept_state)
     new_state.update(fresh_state)
     stats = CopyStats(
         received_bytes=sum(c.nbytes for s in incoming_streams.values() for c in s.chunks),

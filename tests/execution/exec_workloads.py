@@ -238,3 +238,54 @@ def bytes_alive_after_a_step(store: dist.Store, state: dict[str, Any], plan: Pla
             return meter.live_bytes - batch.untyped_storage().nbytes()
     finally:
         groups.destroy()
+
+
+def recover_split_stages(
+    store: dist.Store, state: dict[str, Any], old: Plan, new: Plan, copies: list, steps: tuple[int, int]
+) -> dict[str, Any]:
+    """Train ``steps[0]`` steps under ``old``, then (the workers of ``new``) copy the layers ``copies`` names
+    into generation 1, split anew over its devices, and train ``steps[1]`` more under ``new``: what
+    recovery does at tensor parallelism > 1, without the failure (the old generation is left normally)."""
+    from functools import partial
+
+    from lightning_oobleck.execution import build_stage
+    from lightning_oobleck.recovery.state_transfer import load_state_by_name, state_by_name, transfer_state
+
+    worker = old.workers[state["index"]]
+    groups = ProcessGroups(old, worker, store, 0, timeout=timedelta(seconds=30))
+    engine = PipelineEngine(model, gpt_loss, groups, CPU, seed=SEED, dtype=torch.float64)
+    opt = optimizer(engine.module.parameters())
+
+    def train(step: int) -> None:
+        inputs, targets = global_batch(step, engine.plan.global_batch_size)
+        engine.train_step(
+            inputs[engine.batch_slice] if engine.is_first_stage else None,
+            targets[engine.batch_slice] if engine.is_last_stage else None,
+        )
+        opt.step()
+        opt.zero_grad()
+
+    for step in range(steps[0]):
+        train(step)
+    groups.destroy()
+    if worker not in new.workers:
+        return {"left": True}
+    groups = ProcessGroups(new, worker, store, 1, timeout=timedelta(seconds=30))
+    try:
+        build = partial(build_stage, model, device=CPU, dtype=torch.float64, init=None)
+        module, moved, stats = transfer_state(
+            engine.module, state_by_name(opt, engine.module), copies, groups, build, threading.Event()
+        )
+        opt = optimizer(module.parameters())
+        load_state_by_name(opt, module, moved)
+        engine.reconfigure(groups, module)
+        for step in range(steps[0], sum(steps)):
+            train(step)
+        return {
+            "left": False,
+            "received": stats.received_bytes,
+            "layers": list(module.layer_indices),
+            "params": {n: whole(p).detach().clone() for n, p in module.named_parameters()},
+        }
+    finally:
+        groups.destroy()
