@@ -12,7 +12,8 @@ from __future__ import annotations
 
 import math
 import threading
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -21,6 +22,7 @@ import torch.utils._pytree as pytree
 from torch import Tensor
 
 from lightning_oobleck.execution import faults
+from lightning_oobleck.execution.errors import PeerFailure
 from lightning_oobleck.execution.grad_sync import DEFAULT_BUCKET_CAP_BYTES, GradientSync
 from lightning_oobleck.execution.process_groups import ProcessGroups
 from lightning_oobleck.execution.schedule import Context, LossFn, Microbatch, StageContext, run_actions
@@ -146,6 +148,7 @@ class PipelineEngine:
         self.abort = abort if abort is not None else threading.Event()
         self.bucket_cap_bytes = bucket_cap_bytes
         self._grad_sync: GradientSync | None = None
+        self.tensor_parallel_plan = tensor_parallel_plan
         role = groups.plan.role(*groups.worker)
         if module is None:
             module = build_stage(layers_or_factory, role.layers, device, seed, dtype, init)
@@ -282,28 +285,43 @@ class PipelineEngine:
         """
         sync = self._grad_sync
         assert sync is not None
-        loss = run_actions(
-            self._context,
-            self.train_actions,
-            self._microbatches(inputs, targets, context),
-            self.loss_fn,
-            self.plan.microbatch_size / self.plan.global_batch_size,
-            sync,
-            self.trace,
-        )
+        with self._stage_peers_bounded():
+            loss = run_actions(
+                self._context,
+                self.train_actions,
+                self._microbatches(inputs, targets, context),
+                self.loss_fn,
+                self.plan.microbatch_size / self.plan.global_batch_size,
+                sync,
+                self.trace,
+            )
         sync.finish(self.abort)
         return loss
 
+    @contextmanager
+    def _stage_peers_bounded(self) -> Iterator[None]:
+        """At tensor parallelism ``t > 1``: a collective of the stage's layers (DTensor's, which no waiter
+        can interrupt) that fails once a failure was announced means a device of this stage left for the
+        recovery while this one waited for it (its tensor group's timeout is ``slow_after``): a peer
+        failure, not the model's error."""
+        try:
+            yield
+        except RuntimeError as e:
+            if self.groups.tensor_group is None or not self.abort.is_set() or isinstance(e, PeerFailure):
+                raise
+            raise PeerFailure(f"a device of this stage left during a tensor-parallel collective: {e}") from e
+
     def eval_step(self, inputs: Any, targets: Any, context: Context | None = None) -> Tensor | None:
         """Forward-only pipeline over this pipeline's share; same arguments and loss as :meth:`train_step`."""
-        return run_actions(
-            self._context,
-            self.eval_actions,
-            self._microbatches(inputs, targets, context),
-            self.loss_fn,
-            self.plan.microbatch_size / self.plan.global_batch_size,
-            None,
-        )
+        with self._stage_peers_bounded():
+            return run_actions(
+                self._context,
+                self.eval_actions,
+                self._microbatches(inputs, targets, context),
+                self.loss_fn,
+                self.plan.microbatch_size / self.plan.global_batch_size,
+                None,
+            )
 
     def commit(
         self, loss: Tensor | None, shared: Mapping[str, float] | None = None, grad_norm: bool = True

@@ -114,7 +114,9 @@ class ProcessGroups:
                 if self.rank in ranks:
                     self._grad_groups[ranks] = group
             for ranks in self._stage_rank_sets():
-                group = dist.new_group(list(ranks), timeout=timeout)
+                # The layers' collectives on it are DTensor's, which no waiter bounds: a device whose stage
+                # peer left for a recovery mid-collective is released by this timeout (see the engine).
+                group = dist.new_group(list(ranks), timeout=slow_after or timeout)
                 self._all_groups.append(group)
                 if ranks == stage_ranks:
                     self.tensor_group = group
@@ -237,14 +239,7 @@ class ProcessGroups:
 
 
 def check_plan_size(plan: Plan, world_size: int) -> Plan:
-    """``plan``, if it has one worker per launched process and runs each stage on one device; else an error
-    that says what to change."""
-    if plan.tensor_parallel > 1:
-        raise ValueError(
-            f"the plan runs each stage on {plan.tensor_parallel} devices (tensor parallelism); this release "
-            "plans such stages (`oobleck plan --tensor-parallel`) but runs a stage on one device only: plan "
-            "with tensor_parallel=1"
-        )
+    """``plan``, if it has one worker per launched process; else an error that says what to change."""
     if world_size != len(plan.workers):
         raise ValueError(
             f"the plan has {len(plan.workers)} workers but {world_size} processes were launched; "

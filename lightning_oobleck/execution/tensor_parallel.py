@@ -34,8 +34,9 @@ from torch.utils._python_dispatch import TorchDispatchMode
 if TYPE_CHECKING:
     from lightning_oobleck.execution.process_groups import ProcessGroups
 
-TensorParallelPlan = Mapping[str, ParallelStyle]
-"""Submodule names of one layer (relative to it, ``"attn.q_proj"``) to the style that splits them."""
+TensorParallelPlan = Mapping[str, ParallelStyle] | ParallelStyle
+"""Submodule names of one layer (relative to it, ``"attn.q_proj"``) to the style that splits them, or one
+style for the layer itself (a layer that is a single ``nn.Linear``)."""
 
 LayerPlans = Callable[[int, nn.Module], TensorParallelPlan | None]
 """The tensor-parallel plan of layer ``index`` (``None``: it has none and cannot be split)."""
@@ -58,8 +59,8 @@ def parallelize_stage(layers: Mapping[int, nn.Module], mesh: DeviceMesh, plans: 
                 "(PipelineModule.tensor_parallel_plan: the styles of torch.distributed.tensor.parallel by "
                 "submodule name; {} keeps the layer whole) or plan with tensor_parallel=1"
             )
-        if plan:
-            parallelize_module(layer, mesh, dict(plan))
+        if isinstance(plan, ParallelStyle) or plan:
+            parallelize_module(layer, mesh, plan if isinstance(plan, ParallelStyle) else dict(plan))
         for param in layer.parameters():
             if isinstance(param, DTensor):
                 param.register_post_accumulate_grad_hook(_grad_like_param)

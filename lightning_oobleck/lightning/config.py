@@ -80,6 +80,11 @@ class OobleckConfig:
     ``layout``, ``True`` or ``False``."""
     microbatches: list[int] | None = None
     """With ``layout``: micro-batches per pipeline (default: as even as possible)."""
+    tensor_parallel: Any = 1
+    """The devices of one node each stage runs on, its layers split over them (Megatron-LM's tensor
+    parallelism, through DTensor; each layer's split is ``PipelineModule.tensor_parallel_plan``): ``1``, a
+    divisor of ``devices_per_node``, or ``"auto"`` (the planner profiles the layers at every such degree and
+    keeps the fastest plan)."""
     schedule: str = "1f1b"
     """The pipeline schedule: ``1f1b``, or ``zb-h1`` (zero bubble: each backward split into the input's
     gradient, sent upstream at once, and the weights', run later in what would be bubbles; shorter steps at
@@ -132,6 +137,14 @@ class OobleckConfig:
             )
         if self.schedule not in SCHEDULE_NAMES:
             raise ValueError(f"schedule must be one of {', '.join(SCHEDULE_NAMES)}, got {self.schedule!r}")
+        t = self.tensor_parallel
+        if t != "auto" and (isinstance(t, bool) or not isinstance(t, int) or t < 1):
+            raise ValueError(f"tensor_parallel must be a positive integer or 'auto', got {t!r}")
+        if t == "auto" and (self.layout is not None or self.plan_path is not None):
+            raise ValueError(
+                "tensor_parallel='auto' lets the planner choose; with a fixed layout give its degree (an "
+                "integer), with plan_path none (the plan says it)"
+            )
         if self.join_policy not in JOIN_POLICIES:
             raise ValueError(
                 f"join_policy must be one of {', '.join(JOIN_POLICIES)}, got {self.join_policy!r}"

@@ -119,6 +119,8 @@ class JobPlanner:
                     cache_dir=self.profile_cache,
                     init=module.init_layer,
                     example_context=context,
+                    tensor_parallel=profiled_degrees(cfg.tensor_parallel, cfg.devices_per_node),
+                    tensor_parallel_plan=module.tensor_parallel_plan,
                 )
         options = dict(cfg.planner)
         cluster = ClusterSpec(**options.pop("cluster", {}))
@@ -131,8 +133,17 @@ class JobPlanner:
             cfg.fault_tolerance,
             activation_checkpointing=cfg.activation_checkpointing,
             schedule=cfg.schedule,
+            tensor_parallel=cfg.tensor_parallel,
             **options,
         )
+
+
+def profiled_degrees(tensor_parallel: int | str, devices_per_node: int | None) -> tuple[int, ...]:
+    """The tensor-parallel degrees above 1 a run profiles its layers at: its own, or for ``"auto"`` every one
+    of 2, 4, 8 that divides the devices of a node."""
+    if tensor_parallel == "auto":
+        return tuple(t for t in (2, 4, 8) if devices_per_node and devices_per_node % t == 0)
+    return (tensor_parallel,) if isinstance(tensor_parallel, int) and tensor_parallel > 1 else ()
 
 
 def first_generation(
@@ -170,5 +181,11 @@ def join_running_training(
     build_layers = partial(build_stage, layer_source(module), device=device, init=None)
     with precision.tensor_init_context():
         return join_training(
-            agent, store, build_layers, device, agreement_timeout=agreement_timeout_s, **asdict(options)
+            agent,
+            store,
+            build_layers,
+            device,
+            agreement_timeout=agreement_timeout_s,
+            tensor_parallel_plan=module.tensor_parallel_plan,
+            **asdict(options),
         )

@@ -40,6 +40,7 @@ from lightning_oobleck.execution.stage import (
     resolve_layers,
     tie_parameters,
 )
+from lightning_oobleck.execution.tensor_parallel import TensorParallelPlan, declared_plan
 
 _MINIMAL_EXAMPLE = """
     class MyModel(PipelineModule, L.LightningModule):
@@ -108,6 +109,17 @@ class PipelineModule:
         and friends): initialisation written inside ``configure_layers`` does not run, since the layers are
         built on the meta device."""
         reset_parameters(layer, index)
+
+    def tensor_parallel_plan(self, index: int, layer: nn.Module) -> TensorParallelPlan | None:
+        """How layer ``index`` splits over the devices of a stage at tensor parallelism ``t > 1``
+        (``OobleckStrategy(tensor_parallel=...)``): the styles of ``torch.distributed.tensor.parallel`` by
+        submodule name, e.g. ``{"attn.q_proj": ColwiseParallel(), "attn.o_proj": RowwiseParallel()}``;
+        ``{}`` keeps the layer whole on every device; ``None``: it cannot be split, and the planner keeps
+        ``t = 1``.
+
+        Default: the layer's own ``tensor_parallel_plan()`` if it declares one (as the GPT example's layers
+        and :func:`~lightning_oobleck.models.huggingface.causal_lm_layers`' do), else ``None``."""
+        return declared_plan(index, layer)
 
     def split_batch(self, batch: Any) -> tuple[Any, ...]:
         """``(inputs, targets)`` or ``(inputs, targets, context)`` of a batch (default: the batch is a pair).

@@ -43,16 +43,18 @@ def layout_plan(config: OobleckConfig, num_layers: int, num_workers: int) -> Pla
         microbatches=config.microbatches,
         schedule=config.schedule,
         recompute=config.activation_checkpointing is True,
+        tensor_parallel=config.tensor_parallel,
     )
 
 
 def check_layout_size(config: OobleckConfig, num_workers: int) -> None:
-    """Refuse a layout whose stage count is not the number of processes (one stage per process)."""
+    """Refuse a layout whose stages do not take the processes exactly (``tensor_parallel`` per stage)."""
     assert config.layout is not None
+    t = config.tensor_parallel
     stages = sum(len(bounds) - 1 for bounds in config.layout)
-    if stages != num_workers:
+    if stages * t != num_workers:
+        per = "one stage runs per process" if t == 1 else f"each stage runs on {t} processes"
         raise ValueError(
             f"the layout has {stages} stages in all but Trainer(devices=..., num_nodes=...) gives "
-            f"{num_workers} processes: one stage runs per process, so set devices={stages} (on one node) "
-            "or change the layout"
+            f"{num_workers} processes: {per}, so set devices={stages * t} (on one node) or change the layout"
         )

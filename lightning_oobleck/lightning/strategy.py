@@ -418,6 +418,7 @@ class OobleckStrategy(ParallelStrategy, PipelineExecutor):
                 abort=self._agent.abort if self._agent is not None else None,
                 init=module.init_layer,
                 module=self._admission.module if self._admission is not None else None,
+                tensor_parallel_plan=module.tensor_parallel_plan,
             )
         held = getattr(module, "layers", None)
         if held is not None:

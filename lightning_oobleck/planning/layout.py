@@ -1,8 +1,9 @@
 """A plan from hand-written stage boundaries (a ``layout``), checked like any plan.
 
 ``layout[p]`` lists pipeline ``p``'s stage boundaries, 0 to L: stage ``s`` runs on device ``s % G`` of the
-pipeline's ``s // G``-th node, and pipelines take nodes in order. Such a plan has no planner inputs; the
-planner adds its templates for other node counts
+pipeline's ``s // G``-th node, and pipelines take nodes in order. At tensor parallelism ``t`` a node holds
+``G / t`` stages, stage ``s`` on ``t`` devices from ``(s mod G / t) * t``. Such a plan has no planner
+inputs; the planner adds its templates for other node counts
 (:func:`~lightning_oobleck.planning.planner.with_templates`) so that it recovers in place.
 """
 
@@ -25,10 +26,17 @@ def layout_plan(
     microbatches: Sequence[int] | None = None,
     schedule: str = "1f1b",
     recompute: bool = False,
+    tensor_parallel: int = 1,
 ) -> Plan:
     """The plan of ``layout`` (module docstring). Micro-batches default to an even split (the first pipelines
     get one more when it is uneven)."""
     gpus = gpus_per_node
+    if gpus % tensor_parallel:
+        raise ValueError(
+            f"tensor_parallel={tensor_parallel} does not divide devices_per_node={gpus}: a stage's devices "
+            "are on one node"
+        )
+    per_node = gpus // tensor_parallel
     layout = [list(bounds) for bounds in layout]
     for p, bounds in enumerate(layout):
         if len(bounds) < 2 or bounds[0] != 0 or bounds[-1] != num_layers or bounds != sorted(set(bounds)):
@@ -36,10 +44,10 @@ def layout_plan(
                 f"layout[{p}]={bounds} must rise strictly from 0 to the number of layers ({num_layers}), "
                 f"e.g. [0, {num_layers // 2}, {num_layers}] for two stages"
             )
-        if (len(bounds) - 1) % gpus:
+        if (len(bounds) - 1) % per_node:
             raise ValueError(
-                f"layout[{p}] has {len(bounds) - 1} stages, not a whole number of nodes of "
-                f"devices_per_node={gpus}"
+                f"layout[{p}] has {len(bounds) - 1} stages, not a whole number of nodes of {per_node} "
+                f"stage(s) (devices_per_node={gpus}, tensor_parallel={tensor_parallel})"
             )
     splits: dict[int, list[int]] = {}
     for bounds in layout:
@@ -62,7 +70,7 @@ def layout_plan(
         )
     pipelines, first_node = [], 0
     for bounds, count in zip(layout, microbatches, strict=True):
-        template = _template(bounds, gpus, recompute)
+        template = _template(bounds, gpus, recompute, tensor_parallel)
         pipelines.append(Pipeline(template, tuple(range(first_node, first_node + template.num_nodes)), count))
         first_node += template.num_nodes
     return Plan(
@@ -78,16 +86,18 @@ def layout_plan(
     )
 
 
-def _template(bounds: Sequence[int], gpus: int, recompute: bool) -> PipelineTemplate:
+def _template(bounds: Sequence[int], gpus: int, recompute: bool, tensor_parallel: int) -> PipelineTemplate:
+    per_node = gpus // tensor_parallel
     stages = tuple(
-        Stage(first, end, node=s // gpus, device=s % gpus, recompute=recompute)
+        Stage(first, end, node=s // per_node, device=(s % per_node) * tensor_parallel, recompute=recompute)
         for s, (first, end) in enumerate(itertools.pairwise(bounds))
     )
     return PipelineTemplate(
-        num_nodes=len(stages) // gpus,
+        num_nodes=len(stages) // per_node,
         gpus_per_node=gpus,
         stages=stages,
         stage_times_s=tuple(0.0 for _ in stages),
+        tensor_parallel=tensor_parallel,
     )
 
 

@@ -15,6 +15,7 @@ from lightning_oobleck.execution import faults
 from lightning_oobleck.execution.errors import PeerFailure
 from lightning_oobleck.execution.process_groups import ProcessGroups, join_generation
 from lightning_oobleck.execution.stage import StageModule
+from lightning_oobleck.execution.tensor_parallel import LayerPlans, declared_plan
 from lightning_oobleck.planning.reconfigure import ReconfigurationError
 from lightning_oobleck.recovery.admission import Handover, Progress
 from lightning_oobleck.recovery.agent import WorkerAgent
@@ -62,6 +63,7 @@ def join_training(
     wait_timeout: float | None = None,
     agreement_timeout: float = 60.0,
     max_attempts: int = 4,
+    tensor_parallel_plan: LayerPlans = declared_plan,
 ) -> Admission:
     """A joiner's way into a running training: wait, pending, until the members admit it at a step
     boundary (``wait_timeout``: how long, ``None`` for as long as the training runs), then take the new
@@ -70,7 +72,8 @@ def join_training(
 
     A failure before this worker's copy is complete starts over with the next generation; once it took
     part in the switch barrier, members may run the new layout, so a failure then raises
-    :class:`UnrecoverableFailure` (this joiner leaves and the members recover without it). Raises
+    :class:`UnrecoverableFailure` (this joiner leaves and the members recover without it).
+    ``tensor_parallel_plan``: how the model's layers split at tensor parallelism ``t > 1``. Raises
     :class:`~lightning_oobleck.recovery.agent.TrainingFinished` if the training ends first.
     """
     after = -1
@@ -105,7 +108,14 @@ def join_training(
             event.mark("rebuilt")
             faults.reach(faults.FaultPoint.ADMISSION, agent.worker)
             module, state, copied = transfer_state(
-                StageModule({}), {}, reconfiguration.copies, groups, build_layers, agent.abort, device
+                StageModule({}),
+                {},
+                reconfiguration.copies,
+                groups,
+                build_layers,
+                agent.abort,
+                device,
+                tensor_parallel_plan=tensor_parallel_plan,
             )
         except PeerFailure as e:
             log.warning("admission into generation %d failed (attempt %d): %s", after, attempt, e)

@@ -407,6 +407,7 @@ class UnitRunner:
             groups,
             self._build_layers,
             self.agent.abort,
+            tensor_parallel_plan=self.engine.tensor_parallel_plan,
         )
         self._copied = CopiedLayout(membership.generation, reconfiguration.plan, module, state)
         event.copied_bytes, event.copy_senders = switch_barrier(

@@ -9,9 +9,11 @@ from typing import Any
 import lightning as L
 import torch
 from torch import nn
+from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
 from torch.nn import functional as F
 from torch.utils.data import DataLoader, TensorDataset
 
+from lightning_oobleck.execution.tensor_parallel import TensorParallelPlan
 from lightning_oobleck.lightning import GlobalBatchSampler, OobleckStrategy, PipelineModule
 
 NUM_LAYERS = 6
@@ -54,6 +56,14 @@ class TinyNet(PipelineModule, L.LightningModule):
 
     def compute_loss(self, output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
         return F.cross_entropy(output, target)
+
+    def tensor_parallel_plan(self, index: int, layer: nn.Module) -> TensorParallelPlan:
+        """Megatron's pairs: a column-parallel product, then (after an element-wise layer, on each device's
+        columns) a row-parallel one whose outputs are summed; layer 4's columns cross the stage boundary of
+        a pipeline cut after it, each device sending its own."""
+        return {0: ColwiseParallel(), 2: RowwiseParallel(), 4: ColwiseParallel(), 5: RowwiseParallel()}.get(
+            index, {}
+        )
 
     def configure_optimizers(self) -> Any:
         optimizer = torch.optim.AdamW(self.parameters(), lr=self.lr)

@@ -11,7 +11,6 @@ from dataclasses import replace
 import pytest
 from planning_cases import check_reconfiguration
 
-from lightning_oobleck.execution.process_groups import check_plan_size
 from lightning_oobleck.planning import ClusterSpec, Plan, after_failures, make_plan, synthetic_gpt_profile
 from lightning_oobleck.planning.cost import CostModel
 from lightning_oobleck.planning.planner import PlannerInputs, PlanningError
@@ -149,12 +148,6 @@ def test_a_degree_the_node_or_the_profile_cannot_give_is_one_error_naming_the_fi
         make_plan(plain, cluster, fault_tolerance=1, global_batch_size=64, tensor_parallel=2)
     auto = make_plan(plain, cluster, fault_tolerance=1, global_batch_size=64, tensor_parallel="auto")
     assert auto.tensor_parallel == 1 and any("declare no tensor-parallel plan" in w for w in auto.warnings)
-
-
-def test_a_plan_at_t_above_1_is_refused_before_it_runs() -> None:
-    plan = make_plan(PROFILE, ClusterSpec(2, 2), fault_tolerance=1, global_batch_size=8, tensor_parallel=2)
-    with pytest.raises(ValueError, match=r"runs each stage on 2 devices.*plan with tensor_parallel=1"):
-        check_plan_size(plan, len(plan.workers))
 
 
 @pytest.mark.timeout(120)

@@ -35,6 +35,7 @@ from typing import Any, ClassVar, NamedTuple
 import lightning as L
 import pytest
 import torch
+from torch.distributed.tensor import DTensor
 from torch.utils.data import DataLoader
 
 sys.path.insert(0, str(Path(__file__).parents[1] / "lightning"))
@@ -118,7 +119,8 @@ class Faults(L.Callback):
         if torch._C._current_graph_task_id() != -1:
             return  # activation recomputation: the forward run again inside a backward
         engine = self.engine()
-        if engine.is_first_stage and layer is engine.module.layer(0):
+        # a stage split over its node's devices feeds each sample on every one: counted on the first
+        if engine.is_first_stage and engine.groups.tensor_rank == 0 and layer is engine.module.layer(0):
             self.fed.append((engine.groups.generation, args[0].detach().clone()))
 
     def on_train_batch_end(self, trainer: L.Trainer, *args: Any) -> None:
@@ -128,7 +130,11 @@ class Faults(L.Callback):
             f.write(json.dumps({"step": trainer.global_step - 1, "rows": rows}) + "\n")
 
     def on_train_end(self, trainer: L.Trainer, module: L.LightningModule) -> None:
-        torch.save(dict(module.state_dict()), self.out / f"final-{self.name}.pt")
+        # a stage split over its node's devices: each parameter gathered whole (a collective of the stage)
+        weights = {
+            k: v.full_tensor() if isinstance(v, DTensor) else v for k, v in module.state_dict().items()
+        }
+        torch.save(weights, self.out / f"final-{self.name}.pt")
         (self.out / f"schedule-{self.name}").write_text(self.engine().plan.schedule)
 
 
@@ -171,19 +177,40 @@ def planned(num_nodes: int, devices_per_node: int = 1, schedule: str = "1f1b") -
     )
 
 
+def planned_split(num_nodes: int) -> Plan:
+    """Nodes of 2 processes, each stage split over both (tensor parallelism 2), f = 1: half a device's worth
+    of each layer per device, three layers per stage at most (n0 = 2): two pipelines of 2 nodes on 4."""
+    whole = tuple(LayerProfile(1e-3, 2e-3, 1000, 100, 100, weight_grad_s=1e-3) for _ in range(6))
+    split = tuple(
+        LayerProfile(5e-4, 1e-3, 500, 100, 50, 5e-4, tensor_parallel_forward_bytes=(100,)) for _ in range(6)
+    )
+    return make_plan(
+        ModelProfile(whole, microbatch_size=MICRO, sharded={2: split}),
+        ClusterSpec(num_nodes=num_nodes, gpus_per_node=2, device_memory_bytes=10_000),
+        fault_tolerance=1,
+        global_batch_size=GLOBAL_BATCH,
+        tensor_parallel=2,
+    )
+
+
 def fit_with_faults(
-    tmp_path: Path, faults: dict[tuple[int, int], Fault], num_nodes: int = 6, devices_per_node: int = 1
+    tmp_path: Path,
+    faults: dict[tuple[int, int], Fault],
+    num_nodes: int = 6,
+    devices_per_node: int = 1,
+    plan: Plan | None = None,
 ) -> L.Trainer:
-    """Train on the plan of ``planned(num_nodes, devices_per_node)``, one process per device, with
-    ``faults``."""
+    """Train on ``plan`` (default: the plan of ``planned(num_nodes, devices_per_node)``), one process per
+    device, with ``faults``."""
+    plan = plan or planned(num_nodes, devices_per_node)
     plan_path = tmp_path / "plan.json"
-    plan_path.write_text(planned(num_nodes, devices_per_node).to_json())
+    plan_path.write_text(plan.to_json())
     strategy = OobleckStrategy(
         plan_path=str(plan_path),
         devices_per_node=devices_per_node,
         global_batch_size=GLOBAL_BATCH,
         microbatch_size=MICRO,
-        fault_tolerance=2,
+        fault_tolerance=plan.fault_tolerance,
         seed=SEED,
         start_method="forkserver",
         collective_timeout_s=20,
@@ -308,3 +335,22 @@ def test_whole_nodes_of_two_processes(tmp_path: Path, reference: dict[str, torch
     check(trainer, tmp_path, reference, dead={1, 2}, num_nodes=3, devices_per_node=2)
     _, recoveries = read_events(tmp_path / EVENTS_FILE)
     assert [sorted(map(tuple, e.removed)) for e in recoveries] == [[(1, 0), (1, 1)], [(2, 0), (2, 1)]]
+
+
+@pytest.mark.timeout(300)
+def test_a_stage_split_over_two_processes_loses_global_rank_0(
+    tmp_path: Path, reference: dict[str, torch.Tensor]
+) -> None:
+    """Tensor parallelism 2: 4 nodes of 2 processes, each stage on both (its layers split by TinyNet's plan),
+    two pipelines of 2 nodes. Global rank 0 (device 0 of node 0, a first stage) is SIGKILLed mid-step 1: its
+    node is out, its device 1 fenced; the 3 survivors form one pipeline of 3 stages, each device receiving
+    its own shards of the layers it newly holds from its counterpart, and every kept layer split anew over
+    the new generation's devices."""
+    plan = planned_split(4)
+    assert [p.nodes for p in plan.pipelines] == [(0, 1), (2, 3)] and plan.tensor_parallel == 2
+    faults = {(0, 1): Fault(signal.SIGKILL, FORWARD, device=0)}
+    trainer = fit_with_faults(tmp_path, faults, num_nodes=4, devices_per_node=2, plan=plan)
+    check(trainer, tmp_path, reference, dead={0}, num_nodes=4, devices_per_node=2)
+    _, recoveries = read_events(tmp_path / EVENTS_FILE)
+    assert [sorted(map(tuple, e.removed)) for e in recoveries] == [[(0, 0), (0, 1)]]
+    assert recoveries[0].copied_bytes > 0
