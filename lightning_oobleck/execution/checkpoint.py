@@ -17,6 +17,12 @@ A checkpoint is a directory:
 Because names are global, loading is layout-free: each worker reads exactly the layers it owns now (another
 node count, other stage boundaries, or one process holding everything) and their optimizer state.
 
+A stage split over ``t`` devices (tensor parallelism) writes one shard together, named after its first
+device: DCP over the stage's group, each device writing its own part of every split tensor and the first the
+shard's metadata (the one collective of a save, inside one node). Loading reads, for each tensor, the parts
+that overlap what the loading worker holds: a checkpoint written at one ``t`` loads at any other, ``t = 1``
+included, and the other way.
+
 Writing needs no collective, so a peer lost during a save cannot leave a worker blocked inside DCP. Every
 worker writes its shard into the same temporary sibling directory (:func:`partial_path`); the caller
 confirms with its own collective that every shard is written, writes the index and metadata, and moves the
@@ -36,6 +42,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import nn
 from torch.distributed.checkpoint import FileSystemReader, TensorStorageMetadata
@@ -105,11 +112,13 @@ def write_shard(
     optimizers: Iterable[Optimizer],
     name: str,
     is_writer_for_layer: Callable[[int], bool] = lambda layer: True,
+    group: dist.ProcessGroup | None = None,
 ) -> list[int]:
     """Write this worker's layers (and their optimizer state) as shard ``name`` of ``directory``.
 
-    Needs no other process. Returns the layers written. ``module``'s parameters must all be named
-    ``...layers.<global index>...`` (the engine's stage module); ``optimizers`` must hold only them.
+    Needs no other process, except for a stage split over several devices: its ``group`` writes the shard
+    together (every device of it calls this). Returns the layers written. ``module``'s parameters must all be
+    named ``...layers.<global index>...`` (the engine's stage module); ``optimizers`` must hold only them.
     """
     optimizers = list(optimizers)
     state = {"model": get_model_state_dict(module, options=_OPTIONS)}
@@ -131,8 +140,12 @@ def write_shard(
         for part, entries in state.items()
     }
     written = sorted({layer_of(k) for entries in state.values() for k in entries})  # type: ignore[type-var]
+    shard = Path(directory) / SHARDS_DIR / name
+    if group is not None:
+        dcp.save(state, checkpoint_id=shard, process_group=group)
+        return written  # type: ignore[return-value]
     with _one_process():
-        dcp.save(state, checkpoint_id=Path(directory) / SHARDS_DIR / name, no_dist=True)
+        dcp.save(state, checkpoint_id=shard, no_dist=True)
     return written  # type: ignore[return-value]
 
 

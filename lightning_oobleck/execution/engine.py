@@ -285,7 +285,7 @@ class PipelineEngine:
         """
         sync = self._grad_sync
         assert sync is not None
-        with self._stage_peers_bounded():
+        with self.stage_peers_bounded():
             loss = run_actions(
                 self._context,
                 self.train_actions,
@@ -299,7 +299,7 @@ class PipelineEngine:
         return loss
 
     @contextmanager
-    def _stage_peers_bounded(self) -> Iterator[None]:
+    def stage_peers_bounded(self) -> Iterator[None]:
         """At tensor parallelism ``t > 1``: a collective of the stage's layers (DTensor's, which no waiter
         can interrupt) that fails once a failure was announced means a device of this stage left for the
         recovery while this one waited for it (its tensor group's timeout is ``slow_after``): a peer
@@ -313,7 +313,7 @@ class PipelineEngine:
 
     def eval_step(self, inputs: Any, targets: Any, context: Context | None = None) -> Tensor | None:
         """Forward-only pipeline over this pipeline's share; same arguments and loss as :meth:`train_step`."""
-        with self._stage_peers_bounded():
+        with self.stage_peers_bounded():
             return run_actions(
                 self._context,
                 self.eval_actions,

@@ -101,9 +101,10 @@ class ProcessGroups:
         role = plan.role(*worker)
         self.tensor_rank = role.tensor_rank
         """This worker's rank among its stage's ``t`` devices (0 at ``t = 1``)."""
-        stage_ranks = tuple(
-            self._ranks[w] for w in plan.pipelines[role.pipeline].workers_of_stage(role.stage)
-        )
+        stage_workers = plan.pipelines[role.pipeline].workers_of_stage(role.stage)
+        self.stage_worker = stage_workers[0]
+        """The first worker of this worker's stage: the stage's name (in copies and checkpoint shards)."""
+        stage_ranks = tuple(self._ranks[w] for w in stage_workers)
         self.tensor_group: dist.ProcessGroup | None = None
         """The group of this worker's stage (its ``t`` workers; ``None`` at ``t = 1``)."""
         try:

@@ -98,6 +98,11 @@ def like(param: Tensor, value: Tensor) -> Tensor:
     return value
 
 
+def whole_values(state: Mapping[str, Any]) -> dict[str, Any]:
+    """``state`` with every DTensor gathered whole (a collective over its mesh, in ``state``'s order)."""
+    return {k: v.full_tensor() if isinstance(v, DTensor) else v for k, v in state.items()}
+
+
 def is_split(param: Tensor) -> bool:
     """Whether each device of the stage holds a different part of ``param`` (a shard, not a copy)."""
     return isinstance(param, DTensor) and any(p.is_shard() for p in param.placements)

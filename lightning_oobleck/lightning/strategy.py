@@ -54,6 +54,7 @@ from lightning_oobleck.execution.checkpoint import (
 from lightning_oobleck.execution.faults import from_environment
 from lightning_oobleck.execution.process_groups import backend_for, check_plan_size
 from lightning_oobleck.execution.stage import Tie, find_ties
+from lightning_oobleck.execution.tensor_parallel import whole_values
 from lightning_oobleck.lightning._internals import (
     is_dataloader_shuffled,
     logged_results,
@@ -113,6 +114,7 @@ class OobleckStrategy(ParallelStrategy, PipelineExecutor):
     * the guarantee: ``fault_tolerance`` (node failures survived at once), ``devices_per_node`` (processes
       that fail together);
     * the plan: ``planner`` (e.g. ``{"cluster": {"device_memory_bytes": 80e9}}``), ``schedule``,
+      ``tensor_parallel`` (each stage split over that many devices of a node, or ``"auto"``),
       ``activation_checkpointing``, ``profile_path``, ``profile_cache_dir``, ``plan_path``, ``layout`` and
       ``microbatches`` (your own stages, still recovered from the planner's templates);
     * failures: ``heartbeat_timeout_s`` < ``collective_timeout_s`` <= ``hang_timeout_s``, ``plan_timeout_s``,
@@ -144,6 +146,7 @@ class OobleckStrategy(ParallelStrategy, PipelineExecutor):
         activation_checkpointing: bool | Literal["auto"] = False,
         microbatches: Sequence[int] | None = None,
         schedule: Literal["1f1b", "zb-h1"] = "1f1b",
+        tensor_parallel: int | Literal["auto"] = 1,
         join_policy: Literal["at_once", "whole_template", "hot_standby"] = "at_once",
         replace_failed_after_s: float | None = None,
         accelerator: Any = None,
@@ -178,6 +181,8 @@ class OobleckStrategy(ParallelStrategy, PipelineExecutor):
         self._units: LightningLoop | None = None
         self.ties: tuple[Tie, ...] = ()
         """The model's tied parameters (known from ``setup_environment`` on)."""
+        self._whole_state: dict[str, Any] | None = None
+        """A split stage's state gathered whole at teardown (read by the launcher after the groups)."""
         self._admission: Admission | None = None
         """What this process received when it joined a running training (``OOBLECK_NODE_KEY``)."""
 
@@ -426,6 +431,15 @@ class OobleckStrategy(ParallelStrategy, PipelineExecutor):
             owned.load_state_dict({k: v for k, v in held.state_dict().items() if k.split(".")[0] in owned})
         return engine
 
+    @override
+    def lightning_module_state_dict(self) -> dict[str, Any]:
+        """The module's state, each tensor of a stage split over several devices gathered whole (a collective
+        of the stage: every device of it calls this, as Lightning's checkpointing does); after the run, what
+        its teardown gathered."""
+        if self._groups is None and self._whole_state is not None:
+            return self._whole_state
+        return whole_values(super().lightning_module_state_dict())
+
     def _loader_batch_size(self) -> int | None:
         """``batch_size`` of the DataLoader this run trains (or evaluates) on, if it can be had yet."""
         trainer = self.lightning_module.trainer
@@ -492,7 +506,11 @@ class OobleckStrategy(ParallelStrategy, PipelineExecutor):
     @override
     def teardown(self) -> None:
         if self._groups is not None:
-            self._require_groups().destroy()
+            groups = self._require_groups()
+            if groups.tensor_group is not None and not groups.destroyed:
+                # gathered while the stage's group exists: the launcher reads the weights after teardown
+                self._whole_state = whole_values(super().lightning_module_state_dict())
+            groups.destroy()
             self._groups = None
         self._agent = None  # the process keeps it for its next run (close_process_agent at its end)
         self._engine = None

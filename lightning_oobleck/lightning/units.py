@@ -345,13 +345,16 @@ class LightningLoop:
             groups = engine.groups
             partial = partial_path(path, f"gen{groups.generation}")
             writers = layer_writers(groups.plan)
-            write_shard(
-                partial,
-                engine.module,
-                self.strategy.optimizers,
-                shard_name(groups.worker),
-                lambda layer: writers[layer] == groups.worker,
-            )
+            stage = groups.stage_worker  # a stage split over several devices writes one shard together
+            with engine.stage_peers_bounded():
+                write_shard(
+                    partial,
+                    engine.module,
+                    self.strategy.optimizers,
+                    shard_name(stage),
+                    lambda layer: writers[layer] == stage,
+                    groups.tensor_group,
+                )
             faults.reach(faults.FaultPoint.CHECKPOINT)
             if groups.rank == 0:
                 shards = {layer: shard_name(w) for layer, w in writers.items()}

@@ -51,6 +51,11 @@ def checkpoint_and_stop(
     Every survivor is at the start of the same unit (laggards applied the unit they adopted first), so
     their states agree; the first member writes the metadata (``metadata()``), from that very point.
     """
+    if plan.tensor_parallel > 1:
+        raise UnrecoverableFailure(
+            f"{error} (no checkpoint written: the survivors' checkpoint of stages split over several devices "
+            "is not in this release; resume from the run's last checkpoint)"
+        ) from error
     alive = set(membership.nodes)
     writer = {
         layer: next((w for w in plan.layer_owners(layer) if w[0] in alive), None)

@@ -1,0 +1,73 @@
+"""A user's own module split over the devices of a node (``OobleckStrategy(tensor_parallel=2)``) with every
+``Trainer`` argument at Lightning's default but ``strategy``, ``devices``, ``max_steps`` and
+``precision="64-true"``: the default ``ModelCheckpoint``, summary, progress bar and logger, validation, a
+loader worker, a per-step LR schedule. It trains as one device does, and its checkpoints resume across
+tensor-parallel degrees: written at 2, resumed at 1, and the other way, to the uninterrupted run's weights."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import lightning as L
+import pytest
+import torch
+from test_user_defaults import Regressor, assert_same_weights, data
+from torch import nn
+from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
+
+from lightning_oobleck import OobleckStrategy
+
+
+class SplitRegressor(Regressor):
+    """The README's regressor with a tensor-parallel plan: Megatron's column- then row-parallel pairs (a
+    layer's columns cross the stage boundary when a pipeline is cut after it, each device sending its own)."""
+
+    def tensor_parallel_plan(self, index: int, layer: nn.Module) -> dict:
+        style = ColwiseParallel() if index % 2 == 0 else RowwiseParallel()
+        return {"0": style} if isinstance(layer, nn.Sequential) else {"": style}
+
+
+def fit(
+    steps: int, tensor_parallel: int, devices: int, ckpt_path: Path | None = None
+) -> dict[str, torch.Tensor]:
+    module = SplitRegressor()
+    strategy = OobleckStrategy(
+        microbatch_size=2,
+        fault_tolerance=0,
+        devices_per_node=2,
+        tensor_parallel=tensor_parallel,
+        planner={"cluster": {"device_memory_bytes": 60_000}},
+    )
+    trainer = L.Trainer(strategy=strategy, devices=devices, max_steps=steps, precision="64-true")
+    trainer.fit(module, data(), data(seed=1, workers=0), ckpt_path=ckpt_path)
+    assert trainer.global_step == steps
+    return {k: v.clone() for k, v in module.state_dict().items()}
+
+
+def checkpoint_of(root: Path, step: int) -> Path:
+    [path] = (root / "lightning_logs").glob(f"version_*/checkpoints/epoch=0-step={step}.ckpt")
+    return path
+
+
+@pytest.mark.timeout(400)
+def test_a_split_run_trains_as_one_device_and_resumes_across_degrees(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    for run in ("whole", "split"):
+        (tmp_path / run).mkdir()
+    monkeypatch.chdir(tmp_path / "whole")
+    whole_half = fit(4, tensor_parallel=1, devices=2)
+    uninterrupted = fit(8, tensor_parallel=1, devices=2)
+    whole_checkpoint = checkpoint_of(tmp_path / "whole", 4)
+
+    monkeypatch.chdir(tmp_path / "split")
+    split_half = fit(4, tensor_parallel=2, devices=4)
+    assert_same_weights(split_half, whole_half)
+    # each stage's shard written by both its devices, each its own half of every split tensor
+    shards = list((checkpoint_of(tmp_path / "split", 4) / "shards").iterdir())
+    assert shards and all(len(list(shard.glob("*.distcp"))) == 2 for shard in shards)
+    # written at t = 2, resumed at t = 1; written at t = 1, resumed at t = 2
+    resumed_whole = fit(8, tensor_parallel=1, devices=2, ckpt_path=checkpoint_of(tmp_path / "split", 4))
+    assert_same_weights(resumed_whole, uninterrupted)
+    resumed_split = fit(8, tensor_parallel=2, devices=4, ckpt_path=whole_checkpoint)
+    assert_same_weights(resumed_split, uninterrupted)
