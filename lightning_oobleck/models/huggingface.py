@@ -11,16 +11,25 @@ strategy finds the shared parameter). Every layer initialises itself with the mo
 
 Build the model from its config on the meta device (``configure_layers`` is called there), e.g.
 ``causal_lm_layers(AutoModelForCausalLM.from_config(config))``; nothing is downloaded.
+
+Tensor parallelism: each layer's ``tensor_parallel_plan()`` is the model's own (``model.tp_plan``: Llama's
+``base_model_tp_plan`` for the blocks, its vocabulary-split embedding and gathered LM head), translated to the
+styles of ``torch.distributed.tensor.parallel``. A model whose config declares no plan (GPT-2: its
+``Conv1D`` projections have none) gives ``None``: its stages run on one device each.
 """
 
 from __future__ import annotations
 
 import copy
 import inspect
+import re
+from collections.abc import Callable
 from typing import Any
 
 import torch
 from torch import Tensor, nn
+from torch.distributed.tensor import Replicate
+from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle, RowwiseParallel
 from torch.nn import functional as F
 from transformers import PreTrainedModel
 from transformers.masking_utils import create_causal_mask
@@ -32,8 +41,18 @@ _NO_CACHE = {
 ``cache`` (5.17 has the old name, 5.24 the new)."""
 
 
+_STYLES: dict[str, Callable[[], ParallelStyle]] = {
+    "colwise": ColwiseParallel,
+    "rowwise": RowwiseParallel,
+    "colwise_gather_output": lambda: ColwiseParallel(output_layouts=Replicate()),
+    "embedding_rowwise": lambda: RowwiseParallel(input_layouts=Replicate()),
+}
+"""Hugging Face's tensor-parallel style names, as ``torch.distributed.tensor.parallel`` styles."""
+
+
 class _ModelLayer(nn.Module):
-    """A layer cut from a Hugging Face model: initialised by the model's ``_init_weights``."""
+    """A layer cut from a Hugging Face model: initialised by the model's ``_init_weights``, split by its
+    tensor-parallel plan."""
 
     def __init__(self, model: PreTrainedModel) -> None:
         super().__init__()
@@ -41,6 +60,28 @@ class _ModelLayer(nn.Module):
 
     def reset_parameters(self) -> None:
         self.apply(self._model._init_weights)
+
+    def tensor_parallel_plan(self) -> dict[str, ParallelStyle] | None:
+        """The model's own plan (``model.tp_plan``) for this layer's submodules; ``None`` without one."""
+        model = self._model
+        if not getattr(model.config, "base_model_tp_plan", None):
+            return None
+        patterns = {re.compile(re.escape(k).replace(r"\*", r"\d+")): v for k, v in model.tp_plan.items()}
+        theirs = {id(m): name for name, m in model.named_modules(remove_duplicate=False)}
+        plan = {}
+        for name, module in self.named_modules():
+            full = theirs.get(id(module))
+            style = next((v for p, v in patterns.items() if full is not None and p.fullmatch(full)), None)
+            if style is None:
+                continue
+            if style not in _STYLES:
+                raise ValueError(
+                    f"{type(model).__name__}'s tensor-parallel plan splits {full} as {style!r}, which "
+                    f"causal_lm_layers does not translate (it knows {', '.join(_STYLES)}): plan with "
+                    "tensor_parallel=1, or write the layer's plan in PipelineModule.tensor_parallel_plan"
+                )
+            plan[name] = _STYLES[style]()
+        return plan
 
 
 class Embeddings(_ModelLayer):

@@ -25,6 +25,7 @@ from torch.utils.data import DataLoader
 from transformers import AutoModelForCausalLM
 
 from lightning_oobleck.execution.stage import build_reference_model, build_stage
+from lightning_oobleck.execution.tensor_parallel import declared_plan, one_rank_of, parallelize_stage
 from lightning_oobleck.lightning import GlobalBatchSampler, OobleckStrategy
 from lightning_oobleck.lightning.callbacks import KillAt
 from lightning_oobleck.lightning.units import EVENTS_FILE
@@ -242,3 +243,24 @@ def test_the_example_script_trains_and_survives_its_kill_flag(name: str, victim:
     assert "Oobleck plan: 2 pipelines, f=1" in run.stdout
     assert f"node(s) {victim} lost at step 4" in run.stdout + run.stderr
     assert "done: 8 steps" in run.stdout
+
+
+@pytest.mark.timeout(180)
+def test_llama_split_by_its_own_plan_trains_as_the_unmodified_model(tmp_path: Path) -> None:
+    """Llama's own tensor-parallel plan (``model.tp_plan``): each of 2 stages on both devices of its node
+    (its attention heads, MLP columns, vocabulary split), the weights of the unmodified model."""
+    weights = fit(
+        "llama", tmp_path, layout=[[0, 3, 6]], devices_per_node=2, tensor_parallel=2, fault_tolerance=0
+    )
+    assert_same(weights, unmodified_run("llama"))
+
+
+def test_a_model_without_a_plan_is_refused_by_name_at_tensor_parallelism() -> None:
+    with torch.device("meta"):
+        layers = causal_lm_layers(AutoModelForCausalLM.from_config(model_config("gpt2")))
+    assert all(layer.tensor_parallel_plan() is None for layer in layers)  # GPT-2's Conv1D: no plan
+    with (
+        one_rank_of(2, "cpu") as mesh,
+        pytest.raises(ValueError, match=r"layer 0 \(Embeddings\) has no tensor"),
+    ):
+        parallelize_stage({0: layers[0]}, mesh, declared_plan)
