@@ -43,7 +43,9 @@ class Embedding(nn.Module):
         return self.tokens(ids) + self.positions(positions)
 
     def tensor_parallel_plan(self) -> dict[str, ParallelStyle]:
-        return {"tokens": RowwiseParallel(input_layouts=Replicate())}  # each device its part of the vocabulary
+        return {
+            "tokens": RowwiseParallel(input_layouts=Replicate())
+        }  # each device its part of the vocabulary
 
 
 class Block(nn.Module):
