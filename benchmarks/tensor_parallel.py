@@ -2,6 +2,7 @@
 
     python benchmarks/tensor_parallel.py                 # GPT-3 6.7B, a 70B-class and a 405B-class model
     python benchmarks/tensor_parallel.py --nodes 16 32   # fewer cluster sizes
+    python benchmarks/tensor_parallel.py --emulated      # the cost model's t term against a measurement
 
 For each model and cluster size, the planner plans at tensor parallelism 1 (a stage per GPU, today's
 default) and with ``tensor_parallel="auto"`` (every degree the profile describes, the fastest kept), on
@@ -12,6 +13,12 @@ and the planning time; then, per template size, the degree each template would c
 prefers the plan's degree, one degree for the whole plan (what the planner does, so that a layer's gradient
 is summed shard by shard) costs nothing.
 
+``--emulated`` checks the tensor-parallel term of the cost model against a measurement on this machine: one
+pipeline of 2 stages, each on 1 device (t = 1) or on the 2 devices of a node (t = 2), of emulated layers
+(:class:`~lightning_oobleck.testing.EmulatedSplitLayer`: sleeps that halve at t = 2, and the real gloo
+all-reduces of a Megatron pair), trained through the engine; the prediction is the cost model's 1F1B step
+from the same times, with the all-reduce and the point-to-point send timed first between two processes.
+
 The cluster is an H100 SXM node as docs/benchmarks.md gives it: 8 GPUs, 68 GB of tensors per device (80 GB
 less the allocator's share measured on an H200), 400 TFLOP/s achieved in bf16, 360 GB/s all-reduce bus
 bandwidth inside a node, 50 GB/s between nodes, f = 1, micro-batch 1, activation recomputation where a
@@ -21,15 +28,26 @@ stage would not fit otherwise (``activation_checkpointing="auto"``).
 from __future__ import annotations
 
 import argparse
-from dataclasses import dataclass
+import multiprocessing as mp
+import statistics
+import time
+from dataclasses import dataclass, replace
+from datetime import timedelta
+from typing import Any
 
+import torch
+import torch.distributed as dist
 from rich.console import Console
 from rich.table import Table
+from torch.distributed import TCPStore
 
+from lightning_oobleck.execution import PipelineEngine, ProcessGroups, profile_layers
 from lightning_oobleck.planning import ClusterSpec, Plan, make_plan, synthetic_gpt_profile
 from lightning_oobleck.planning.cost import CostModel
+from lightning_oobleck.planning.layout import layout_plan
 from lightning_oobleck.planning.profile import ModelProfile
 from lightning_oobleck.planning.templates import InfeasibleTemplateError, generate_template
+from lightning_oobleck.testing import DeviceTimes, EmulatedSplitLayer, emulated_profile
 
 
 @dataclass(frozen=True)
@@ -112,11 +130,178 @@ def best_degree_per_template(profile: ModelProfile, nodes: int, sizes: list[int]
     return best
 
 
+# ------------------------------------------------------------------ the emulated measurement
+LAYERS, WIDTH, MICRO, SEQ, MICROBATCHES = 8, 2048, 1, 32, 8
+TIMES = DeviceTimes(0.01, 0.01, 0.01)
+"""Per layer, one device: a stage of 4 layers takes 40 ms forward; its all-reduces carry 256 KiB."""
+
+
+def emulated_layers() -> list[torch.nn.Module]:
+    return [EmulatedSplitLayer(WIDTH, TIMES) for _ in range(LAYERS)]
+
+
+def emulated_plan(t: int) -> Plan:
+    """One pipeline of 2 stages (layers 0-3, 4-7) on 2 nodes of ``t`` devices, each stage on all ``t``."""
+    return layout_plan(
+        [[0, LAYERS // 2, LAYERS]],
+        LAYERS,
+        gpus_per_node=t,
+        fault_tolerance=0,
+        global_batch_size=MICRO * MICROBATCHES,
+        microbatch_size=MICRO,
+        tensor_parallel=t,
+    )
+
+
+def emulated_worker(index: int, port: int, job: dict[str, Any], out: Any) -> None:
+    torch.set_num_threads(1)
+    store = TCPStore("127.0.0.1", port, is_master=False, timeout=timedelta(seconds=120))
+    plan = emulated_plan(job["t"])
+    groups = ProcessGroups(plan, plan.workers[index], store, 0)
+    engine = PipelineEngine(
+        emulated_layers, lambda y, target: ((y - target) ** 2).mean(), groups, torch.device("cpu")
+    )
+    inputs = torch.randn(plan.global_batch_size, SEQ, WIDTH)
+    times = []
+    for step in range(job["steps"] + 1):
+        dist.barrier()
+        start = time.perf_counter()
+        engine.module.zero_grad(set_to_none=True)
+        engine.train_step(
+            inputs[engine.batch_slice] if engine.is_first_stage else None,
+            inputs[engine.batch_slice] if engine.is_last_stage else None,
+        )
+        dist.barrier()
+        if step:
+            times.append(time.perf_counter() - start)
+    groups.destroy()
+    out.put((index, statistics.median(times)))
+
+
+def link_worker(index: int, port: int, job: dict[str, Any], out: Any) -> None:
+    """Four processes in two pairs, as the t = 2 run places them: the one-way time of an activation between
+    the pairs' first processes, then of an all-reduce of the same bytes inside each pair, both pairs at once
+    (the machine's cores are shared as in the run)."""
+    torch.set_num_threads(1)
+    store = TCPStore("127.0.0.1", port, is_master=False, timeout=timedelta(seconds=120))
+    dist.init_process_group("gloo", store=store, rank=index, world_size=4)
+    pairs = [dist.new_group([0, 1]), dist.new_group([2, 3])]
+    pair = pairs[index // 2]
+    message = torch.zeros(MICRO, SEQ, WIDTH)
+    send_s = 0.0
+    if index in (0, 2):
+        peer = 2 - index
+        first, second = (dist.send, dist.recv) if index == 0 else (dist.recv, dist.send)
+        for repeat in range(job["repeats"] + 5):
+            if repeat == 5:
+                start = time.perf_counter()
+            first(message, peer)
+            second(message, peer)
+        send_s = (time.perf_counter() - start) / (2 * job["repeats"])
+    dist.barrier()
+    for _ in range(5):
+        dist.all_reduce(message, group=pair)
+    start = time.perf_counter()
+    for _ in range(job["repeats"]):
+        dist.all_reduce(message, group=pair)
+    out.put((index, (send_s, (time.perf_counter() - start) / job["repeats"])))
+    dist.destroy_process_group()
+
+
+def spawn(target: Any, count: int, job: dict[str, Any]) -> dict[int, Any]:
+    store = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=120))
+    ctx = mp.get_context("spawn")
+    out = ctx.Queue()
+    procs = [ctx.Process(target=target, args=(i, store.port, job, out)) for i in range(count)]
+    for p in procs:
+        p.start()
+    results = dict(out.get(timeout=600) for _ in procs)
+    for p in procs:
+        p.join()
+    return results
+
+
+def configured_profile() -> ModelProfile:
+    """The emulated layers' profile from their configured times: halved at t = 2, with the all-reduces of a
+    Megatron pair (the first layer, fed the data, has no input gradient to sum)."""
+    nbytes = MICRO * SEQ * WIDTH * 4
+    whole = emulated_profile(LAYERS, WIDTH, TIMES, MICRO, sequence=SEQ)
+    split = tuple(
+        replace(
+            layer,
+            forward_s=layer.forward_s / 2,
+            backward_s=layer.backward_s / 2,
+            weight_grad_s=(layer.weight_grad_s or 0.0) / 2,
+            tensor_parallel_forward_bytes=(nbytes,),
+            tensor_parallel_backward_bytes=(nbytes,) if i else (),
+        )
+        for i, layer in enumerate(whole.layers)
+    )
+    return replace(whole, sharded={2: split})
+
+
+def predicted_s(profile: ModelProfile, t: int, send_s: float, allreduce_s: float) -> tuple[float, float]:
+    """The cost model's 1F1B step and its tensor-parallel part, with the links as measured: the all-reduce's
+    bus bandwidth from its time (a 2-device ring moves the bytes once each way), the sends' latency."""
+    nbytes = MICRO * SEQ * WIDTH * 4
+    profile = profile.at(t)
+    cluster = ClusterSpec(
+        num_nodes=2,
+        gpus_per_node=t,
+        inter_node_latency_s=send_s,
+        inter_node_bandwidth=1e15,
+        intra_node_latency_s=0.0,
+        tensor_parallel_bandwidth=nbytes / allreduce_s,
+    )
+    cost = CostModel(profile, cluster)
+    plan = emulated_plan(t)
+    stages = plan.pipelines[0].stages
+    times = [cost.stage_time_s(s.first_layer, s.end_layer, k, len(stages)) for k, s in enumerate(stages)]
+    tensor = [cost.tensor_parallel_s(s.first_layer, s.end_layer) for s in stages]
+    slowest = max(range(len(stages)), key=times.__getitem__)
+    return cost.pipeline_time_s(times, MICROBATCHES), MICROBATCHES * tensor[slowest]
+
+
+def emulated(steps: int, console: Console) -> None:
+    links = spawn(link_worker, 4, {"repeats": 50})
+    send_s, allreduce_s = links[0][0], statistics.median(r[1] for r in links.values())
+    profiles = {
+        "configured": configured_profile(),
+        "profiled": profile_layers(
+            emulated_layers,
+            torch.zeros(MICRO, SEQ, WIDTH),
+            torch.device("cpu"),
+            repeat=5,
+            tensor_parallel=(2,),
+        ),
+    }
+    table = Table(
+        title=f"1 pipeline of 2 stages, {MICROBATCHES} micro-batches, emulated layers (gloo, this machine)"
+    )
+    for name in ("t", "processes", "measured step", "profile", "predicted step", "of which TP all-reduces",
+                 "measured / predicted"):  # fmt: skip
+        table.add_column(name, justify="right")
+    for t in (1, 2):
+        measured = statistics.median(spawn(emulated_worker, 2 * t, {"t": t, "steps": steps}).values())
+        for name, profile in profiles.items():
+            predicted, tensor = predicted_s(profile, t, send_s, allreduce_s)
+            table.add_row(str(t), str(2 * t), f"{measured * 1e3:.1f} ms", name, f"{predicted * 1e3:.1f} ms",
+                          f"{tensor * 1e3:.1f} ms", f"{measured / predicted:.3f}")  # fmt: skip
+    console.print(table)
+    console.print(f"links measured: a {MICRO * SEQ * WIDTH * 4 / 2**10:.0f} KiB send {send_s * 1e3:.2f} ms, "
+                  f"its all-reduce in each of two pairs at once {allreduce_s * 1e3:.2f} ms")  # fmt: skip
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--nodes", type=int, nargs="+", default=[16, 32, 64])
+    parser.add_argument("--emulated", action="store_true", help="measure t = 2 against t = 1 on this machine")
+    parser.add_argument("--steps", type=int, default=5)
     args = parser.parse_args()
     console = Console(width=max(Console().width, 140))
+    if args.emulated:
+        emulated(args.steps, console)
+        return
     table = Table(title="Predicted step on 8 x H100 nodes: a stage per GPU (t = 1) against the planner's t")
     for name in ("model", "nodes", "planned", "t", "step", "pipelines x stages", "compute / TP / bubble",
                  "memory/device", "planned in", "each template's best t"):  # fmt: skip

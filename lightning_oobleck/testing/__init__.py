@@ -12,13 +12,20 @@ from lightning_oobleck.execution.faults import (
     armed,
     disarm,
 )
-from lightning_oobleck.testing.emulated import DeviceTimes, EmulatedLayer, emulated_layers, emulated_profile
+from lightning_oobleck.testing.emulated import (
+    DeviceTimes,
+    EmulatedLayer,
+    EmulatedSplitLayer,
+    emulated_layers,
+    emulated_profile,
+)
 from lightning_oobleck.testing.memory import LiveTensorMeter, PeakResidentMemory
 
 __all__ = [
     "FAULTS_ENV",
     "DeviceTimes",
     "EmulatedLayer",
+    "EmulatedSplitLayer",
     "Fault",
     "FaultAction",
     "FaultPoint",

@@ -108,3 +108,35 @@ def emulated_profile(
     # the first layer's input is the data, which needs no gradient: its backward is the weight's alone
     first = replace(layer, backward_s=times.weight_grad_s)
     return ModelProfile((first,) + (layer,) * (count - 1), microbatch_size, device="emulated", dtype=dtype)
+
+
+class EmulatedSplitLayer(nn.Module):
+    """An emulated layer that splits over a stage's devices as a Megatron pair does: a column-parallel
+    product to ``rank`` features, then a row-parallel one back to ``width``, whose all-reduces are real (the
+    output's forward, the input's gradient backward); its sleeps are ``times`` divided by the number of
+    devices it is split over (a device computing ``1/t`` of the layer)."""
+
+    def __init__(self, width: int, times: DeviceTimes, rank: int = 8) -> None:
+        super().__init__()
+        self.times = times
+        self.up = nn.Linear(width, rank, bias=False)
+        self.down = nn.Linear(rank, width, bias=False)
+        self.bias = nn.Parameter(torch.empty(width))
+        self.reset_parameters()
+
+    def reset_parameters(self) -> None:
+        nn.init.normal_(self.up.weight, std=0.1)
+        nn.init.normal_(self.down.weight, std=0.1)
+        nn.init.normal_(self.bias, std=0.1)
+
+    def tensor_parallel_plan(self) -> dict[str, Any]:
+        from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
+
+        return {"up": ColwiseParallel(), "down": RowwiseParallel()}
+
+    def forward(self, x: Tensor) -> Tensor:
+        weight = self.up.weight
+        t = weight.device_mesh.size() if hasattr(weight, "device_mesh") else 1
+        times = self.times
+        x = _Timed.apply(x, times.forward_s / t, times.input_grad_s / t)
+        return x + self.down(self.up(x)) + _Timed.apply(self.bias, 0.0, times.weight_grad_s / t)
