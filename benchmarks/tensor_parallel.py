@@ -28,7 +28,6 @@ stage would not fit otherwise (``activation_checkpointing="auto"``).
 from __future__ import annotations
 
 import argparse
-import multiprocessing as mp
 import statistics
 import time
 from dataclasses import dataclass, replace
@@ -39,6 +38,7 @@ import torch
 import torch.distributed as dist
 from rich.console import Console
 from rich.table import Table
+from schedules import spawn  # benchmarks/schedules.py: run workers in processes, gather their results
 from torch.distributed import TCPStore
 
 from lightning_oobleck.execution import PipelineEngine, ProcessGroups, profile_layers
@@ -206,19 +206,6 @@ def link_worker(index: int, port: int, job: dict[str, Any], out: Any) -> None:
         dist.all_reduce(message, group=pair)
     out.put((index, (send_s, (time.perf_counter() - start) / job["repeats"])))
     dist.destroy_process_group()
-
-
-def spawn(target: Any, count: int, job: dict[str, Any]) -> dict[int, Any]:
-    store = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=120))
-    ctx = mp.get_context("spawn")
-    out = ctx.Queue()
-    procs = [ctx.Process(target=target, args=(i, store.port, job, out)) for i in range(count)]
-    for p in procs:
-        p.start()
-    results = dict(out.get(timeout=600) for _ in procs)
-    for p in procs:
-        p.join()
-    return results
 
 
 def configured_profile() -> ModelProfile:

@@ -1,4 +1,5 @@
-"""Heterogeneous pipelines on real gloo processes train exactly like one process on the whole batch."""
+"""Heterogeneous pipelines on real gloo processes train exactly like one process on the whole batch, with
+stages on one device each or split over the two devices of a node (tensor parallelism, DTensor over gloo)."""
 
 from __future__ import annotations
 
@@ -69,6 +70,29 @@ def run_layout(pool: WorkerPool, plan: Plan, generation: int, bucket_cap_bytes: 
     return pool.run(dict.fromkeys(workers, task), timeout=120)
 
 
+def check_equal_to_reference(results: dict[int, dict], plan: Plan, reference: dict, name: str) -> None:
+    """Every worker's losses, norms, evaluation and weights are single-process training's; each parameter is
+    held by every device of one stage per pipeline; every row of each global batch reached the first layer of
+    exactly one pipeline, on each device of its first stage (twice there when that stage recomputes)."""
+    t = plan.tensor_parallel
+    for r in results.values():
+        assert r["losses"] == pytest.approx(reference["losses"], abs=1e-12, rel=1e-12), name
+        assert r["norms"] == pytest.approx(reference["norms"], rel=1e-10), name
+        assert r["eval"] == pytest.approx(reference["eval"], abs=1e-12, rel=1e-12), name
+    replicas: dict[str, int] = {}
+    for r in results.values():
+        for param, value in r["params"].items():
+            torch.testing.assert_close(value, reference["params"][param].detach(), atol=1e-10, rtol=0)
+            replicas[param] = replicas.get(param, 0) + 1
+    assert set(replicas) == set(reference["params"]), name
+    assert all(n == t * len(plan.pipelines) for n in replicas.values()), name
+    times = t * (2 if plan.pipelines[0].stages[0].recompute else 1)
+    for step in range(STEPS):
+        inputs, _ = wl.global_batch(step, BATCH)
+        seen = torch.cat([r["seen"][step] for r in results.values() if r["seen"][step] is not None])
+        assert sorted(map(tuple, seen.tolist())) == sorted(times * list(map(tuple, inputs.tolist()))), name
+
+
 @pytest.mark.timeout(240)
 @pytest.mark.parametrize("schedule", SCHEDULE_NAMES)
 @pytest.mark.slow
@@ -89,24 +113,46 @@ def test_every_layout_equals_single_process_training(
         results = run_layout(pool, plan, generation, 4096 if generation % 2 else DEFAULT_BUCKET_CAP_BYTES)
         assert {r["generation"] for r in results.values()} == {generation}, name
         assert sorted(r["rank"] for r in results.values()) == list(range(len(plan.workers)))
+        check_equal_to_reference(results, plan, reference, name)
         for r in results.values():
-            assert r["losses"] == pytest.approx(reference["losses"], abs=1e-12, rel=1e-12), name
-            assert r["norms"] == pytest.approx(reference["norms"], rel=1e-10), name
-            assert r["eval"] == pytest.approx(reference["eval"], abs=1e-12, rel=1e-12), name
             predicted = predicted_activation_bytes(profile, plan, r["role"])
             assert r["peak_activation_bytes"] == predicted, (name, r["role"])
-        replicas: dict[str, int] = {}
-        for r in results.values():
-            for param, value in r["params"].items():
-                torch.testing.assert_close(value, reference["params"][param].detach(), atol=1e-10, rtol=0)
-                replicas[param] = replicas.get(param, 0) + 1
-        assert set(replicas) == set(reference["params"]), name
-        assert all(n == len(plan.pipelines) for n in replicas.values()), name
-        for step in range(STEPS):
-            inputs, _ = wl.global_batch(step, BATCH)
-            seen = torch.cat([r["seen"][step] for r in results.values() if r["seen"][step] is not None])
-            # every row of the global batch reached exactly one pipeline's first layer exactly once
-            assert sorted(map(tuple, seen.tolist())) == sorted(map(tuple, inputs.tolist())), name
+
+
+def recomputing(plan: Plan) -> Plan:
+    """``plan`` with every stage recomputing its activations in the backward."""
+    templates = {
+        t: dataclasses.replace(t, stages=tuple(dataclasses.replace(s, recompute=True) for s in t.stages))
+        for t in plan.templates
+    }
+    pipelines = tuple(dataclasses.replace(p, template=templates[p.template]) for p in plan.pipelines)
+    return dataclasses.replace(plan, templates=tuple(templates.values()), pipelines=pipelines)
+
+
+# nodes of 2 devices, each stage on both (tensor parallelism 2)
+SPLIT_LAYOUTS = {
+    "one pipeline of 2 nodes": plan_from_splits(
+        [[(0, 3), (3, 6)]], [6], MICROBATCH, gpus_per_node=2, tensor_parallel=2
+    ),
+    "pipelines of 1 and 2 nodes": plan_from_splits(
+        [[(0, 6)], [(0, 2), (2, 6)]], [2, 4], MICROBATCH, gpus_per_node=2, tensor_parallel=2
+    ),
+    "pipelines of 1 and 2 nodes, recomputing": recomputing(
+        plan_from_splits([[(0, 6)], [(0, 3), (3, 6)]], [3, 3], MICROBATCH, gpus_per_node=2, tensor_parallel=2)
+    ),
+}
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("schedule", SCHEDULE_NAMES)
+def test_stages_over_two_devices_equal_single_process_training(
+    pool: WorkerPool, reference: dict, schedule: str
+) -> None:
+    offset = 300 + SCHEDULE_NAMES.index(schedule) * len(SPLIT_LAYOUTS)  # other tests use 0-7, 100, 101, 200
+    for generation, (name, layout) in enumerate(SPLIT_LAYOUTS.items(), start=offset):
+        plan = dataclasses.replace(layout, schedule=schedule)
+        results = run_layout(pool, plan, generation, 4096 if generation % 2 else DEFAULT_BUCKET_CAP_BYTES)
+        check_equal_to_reference(results, plan, reference, name)
 
 
 @pytest.mark.timeout(120)
