@@ -40,7 +40,7 @@ from lightning_oobleck.execution.tensor_parallel import (
     check_split_for,
     declared_plan,
     is_split,
-    local,
+    local_grad,
     parallelize_stage,
 )
 from lightning_oobleck.planning.plan import Plan
@@ -365,7 +365,7 @@ class PipelineEngine:
         A layer counts on its replica in the lowest-index pipeline; all-reduce (sum) the result over
         the default group to get the global squared norm.
         """
-        grads = [local(p.grad).detach() for p in self._counted if p.grad is not None]
+        grads = [local_grad(p).detach() for p in self._counted if p.grad is not None]
         if not grads:
             return torch.zeros((), dtype=torch.float64, device=self.device)
         # One fused pass over the gradients, in their own dtype, as clip_grad_norm_ computes its norm.

@@ -28,7 +28,7 @@ from torch.utils.hooks import RemovableHandle
 from lightning_oobleck.execution import faults
 from lightning_oobleck.execution.process_groups import ProcessGroups
 from lightning_oobleck.execution.stage import StageModule
-from lightning_oobleck.execution.tensor_parallel import like, local
+from lightning_oobleck.execution.tensor_parallel import like, local, local_grad
 
 DEFAULT_BUCKET_CAP_BYTES = 25 * 2**20
 """Bucket size cap, as DDP's default."""
@@ -124,7 +124,7 @@ class GradientSync:
             self._issue(self.buckets[self._next])
 
     def _issue(self, bucket: _Bucket) -> None:
-        grads = [torch.zeros_like(local(p)) if p.grad is None else local(p.grad) for p in bucket.params]
+        grads = [torch.zeros_like(local(p)) if p.grad is None else local_grad(p) for p in bucket.params]
         torch.cat([g.reshape(-1) for g in grads], out=bucket.flat)
         with self.groups.waiter.issuing():
             self._works.append(dist.all_reduce(bucket.flat, group=bucket.group, async_op=True))

@@ -61,17 +61,18 @@ def parallelize_stage(layers: Mapping[int, nn.Module], mesh: DeviceMesh, plans: 
             )
         if isinstance(plan, ParallelStyle) or plan:
             parallelize_module(layer, mesh, plan if isinstance(plan, ParallelStyle) else dict(plan))
-        for param in layer.parameters():
-            if isinstance(param, DTensor):
-                param.register_post_accumulate_grad_hook(_grad_like_param)
 
 
-def _grad_like_param(param: Tensor) -> None:
-    """Keep a split parameter's gradient split as the parameter is: some backwards (an embedding's) give
-    every device the whole gradient (``Replicate``), which the gradient sync and the norm must see split."""
+def local_grad(param: Tensor) -> Tensor | None:
+    """This device's part of ``param``'s gradient, split as the parameter is: some backwards (an
+    embedding's) give every device the whole gradient (``Replicate``), which is cut to this device's shard
+    first (in place in ``param.grad``; a ``Partial`` one is summed over the stage, a collective of it). Done
+    where the gradient is read (gradient sync, norm), not in a gradient hook: ``Module.to`` swaps a split
+    parameter's tensors and drops its hooks."""
     grad = param.grad
     if isinstance(grad, DTensor) and grad.placements != param.placements:
-        param.grad = grad.redistribute(param.device_mesh, param.placements)
+        param.grad = grad = grad.redistribute(param.device_mesh, param.placements)
+    return None if grad is None else local(grad)
 
 
 def check_split_for(module: nn.Module, groups: ProcessGroups) -> None:

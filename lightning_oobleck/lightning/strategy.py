@@ -388,6 +388,10 @@ class OobleckStrategy(ParallelStrategy, PipelineExecutor):
         module.layers = self._engine.module.layers
         summarize_whole_model(trainer)
         self.model_to_device()
+        if self._engine.groups.tensor_group is not None:
+            # Module.to swaps split (DTensor) parameters' tensors, which drops their gradient hooks: the
+            # gradient sync registers its own again
+            self._engine.reconfigure(self._engine.groups, self._engine.module)
         fitting = trainer.state.fn == TrainerFn.FITTING
         if fitting:
             self.setup_optimizers(trainer)

@@ -247,11 +247,10 @@ def test_the_example_script_trains_and_survives_its_kill_flag(name: str, victim:
 
 @pytest.mark.timeout(180)
 def test_llama_split_by_its_own_plan_trains_as_the_unmodified_model(tmp_path: Path) -> None:
-    """Llama's own tensor-parallel plan (``model.tp_plan``): each of 2 stages on both devices of its node
-    (its attention heads, MLP columns, vocabulary split), the weights of the unmodified model."""
-    weights = fit(
-        "llama", tmp_path, layout=[[0, 3, 6]], devices_per_node=2, tensor_parallel=2, fault_tolerance=0
-    )
+    """Llama's own tensor-parallel plan (``model.tp_plan``): two pipelines of one stage, each on both
+    devices of its node (its attention heads, MLP columns, vocabulary split; each shard's gradient summed
+    with its counterpart's), the weights of the unmodified model."""
+    weights = fit("llama", tmp_path, layout=[[0, 6], [0, 6]], devices_per_node=2, tensor_parallel=2)
     assert_same(weights, unmodified_run("llama"))
 
 
