@@ -437,12 +437,12 @@ class OobleckStrategy(ParallelStrategy, PipelineExecutor):
 
     @override
     def lightning_module_state_dict(self) -> dict[str, Any]:
-        """The module's state, each tensor of a stage split over several devices gathered whole (a collective
-        of the stage: every device of it calls this, as Lightning's checkpointing does); after the run, what
-        its teardown gathered."""
+        """The module's state. During the run, a split stage's tensors as this device holds them: Lightning's
+        checkpointing asks for it and drops it (the shards hold the weights), so nothing is gathered there.
+        After the run, the whole state its teardown gathered (what the launcher hands back)."""
         if self._groups is None and self._whole_state is not None:
             return self._whole_state
-        return whole_values(super().lightning_module_state_dict())
+        return super().lightning_module_state_dict()
 
     def _loader_batch_size(self) -> int | None:
         """``batch_size`` of the DataLoader this run trains (or evaluates) on, if it can be had yet."""
@@ -511,9 +511,9 @@ class OobleckStrategy(ParallelStrategy, PipelineExecutor):
     def teardown(self) -> None:
         if self._groups is not None:
             groups = self._require_groups()
-            if groups.tensor_group is not None and not groups.destroyed:
-                # gathered while the stage's group exists: the launcher reads the weights after teardown
-                self._whole_state = whole_values(super().lightning_module_state_dict())
+            # gathered while the stage's group exists: the launcher reads the weights after teardown
+            split = groups.tensor_group is not None and not groups.destroyed
+            self._whole_state = whole_values(super().lightning_module_state_dict()) if split else None
             groups.destroy()
             self._groups = None
         self._agent = None  # the process keeps it for its next run (close_process_agent at its end)
