@@ -82,6 +82,8 @@ class ModelProfile:
                 f"the profile has no layers at tensor parallelism {tensor_parallel} (it has {known}): "
                 + (
                     "the model's layers declare no tensor-parallel plan, so its stages run on one device each"
+                    + (f" ({self.meta['tensor_parallel']})" if "tensor_parallel" in self.meta else "")
+                    + ": declare one per layer (PipelineModule.tensor_parallel_plan), or tensor_parallel=1"
                     if not self.sharded
                     else f"choose one of {known}, or profile the model at {tensor_parallel}"
                 )
