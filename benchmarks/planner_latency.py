@@ -4,17 +4,23 @@ Run: ``python benchmarks/planner_latency.py``. Each cell times ``make_plan`` (no
 every template, instantiation with f = 1, batch distribution) on a synthetic GPT profile, best of
 three runs, and prints it beside the paper's planning time for the same grid (its Table 3, from
 the SOSP'23 Oobleck paper via the course presentation in the project's reference material).
+
+A second table plans the largest cell and a 70B-class model (80 layers, hidden 8192, sequence 4096, 16
+nodes of 8 x 80 GB, recomputing activations where a split would not fit otherwise) under each schedule, at
+``t = 1`` and with ``tensor_parallel="auto"`` (every degree planned, the fastest kept), and with
+``schedule="auto"`` (both schedules planned).
 """
 
 from __future__ import annotations
 
 import argparse
 import time
+from typing import Any
 
 from rich.console import Console
 from rich.table import Table
 
-from lightning_oobleck.planning import ClusterSpec, Plan, make_plan, synthetic_gpt_profile
+from lightning_oobleck.planning import ClusterSpec, ModelProfile, Plan, make_plan, synthetic_gpt_profile
 
 NODES = (8, 16, 24)
 GPUS = (1, 4, 8)
@@ -37,16 +43,59 @@ A40 = {"device_memory_bytes": 48e9, "intra_node_bandwidth": 100e9, "inter_node_b
 
 
 def timed_plan(
-    nodes: int, gpus: int, layers: int, fault_tolerance: int, global_batch: int, repeats: int
+    nodes: int,
+    gpus: int,
+    layers: int,
+    fault_tolerance: int,
+    global_batch: int,
+    repeats: int,
+    **options: Any,
 ) -> Plan:
     hidden, seq_len = MODELS[layers]
     profile = synthetic_gpt_profile(layers, hidden, seq_len, 1)
     cluster = ClusterSpec(nodes, gpus, **A40)
+    return best_of(repeats, profile, cluster, fault_tolerance, global_batch, **options)
+
+
+def best_of(
+    repeats: int, profile: ModelProfile, cluster: ClusterSpec, f: int, global_batch: int, **options: Any
+) -> Plan:
     runs = [
-        make_plan(profile, cluster, fault_tolerance=fault_tolerance, global_batch_size=global_batch)
+        make_plan(profile, cluster, fault_tolerance=f, global_batch_size=global_batch, **options)
         for _ in range(repeats)
     ]
     return min(runs, key=lambda p: p.planning_s)
+
+
+def settings_table(repeats: int) -> Table:
+    """Planning time and the plan's prediction per schedule and tensor-parallel setting."""
+    table = Table(title="Planning at each schedule and tensor-parallel setting (best of 3)")
+    for name in ("model", "schedule", "tensor_parallel", "planning (s)", "chose", "iteration (s)"):
+        table.add_column(name, justify="right")
+    largest = (synthetic_gpt_profile(96, *MODELS[96], 1), ClusterSpec(24, 8, **A40), False)
+    llama70 = (synthetic_gpt_profile(80, 8192, 4096, 1), ClusterSpec(16, 8, device_memory_bytes=80e9), "auto")
+    for model, (profile, cluster, recompute) in {"Table 3's largest": largest, "70B-class": llama70}.items():
+        for schedule in ("1f1b", "zb-h1", "auto"):
+            for tensor_parallel in (1, "auto"):
+                plan = best_of(
+                    repeats,
+                    profile,
+                    cluster,
+                    1,
+                    1024,
+                    schedule=schedule,
+                    tensor_parallel=tensor_parallel,
+                    activation_checkpointing=recompute,
+                )
+                table.add_row(
+                    model,
+                    schedule,
+                    str(tensor_parallel),
+                    f"{plan.planning_s:.3f}",
+                    f"{plan.schedule}, t = {plan.tensor_parallel}",
+                    f"{plan.iteration_time_s:.3f}",
+                )
+    return table
 
 
 def main() -> None:
@@ -70,6 +119,7 @@ def main() -> None:
             table.add_row(str(nodes), str(gpus), *cells)
     console.print(table)
     console.print(f"slowest cell: {slowest:.3f} s (goal < 1 s; the paper's slowest: 3,297.92 s)")
+    console.print(settings_table(args.repeats))
 
     started = time.perf_counter()
     plan = timed_plan(1024, 8, 96, 4, 8192, 1)

@@ -56,7 +56,9 @@ def add_job_arguments(parser: argparse.ArgumentParser, prefix: str = "") -> None
         help="recompute activations: never, on every stage, or where a split would not fit otherwise",
     )
     parser.add_argument(
-        "--schedule", choices=list(SCHEDULE_NAMES), help="the pipeline schedule the plan runs (default 1f1b)"
+        "--schedule",
+        choices=[*SCHEDULE_NAMES, "auto"],
+        help="the pipeline schedule the plan runs; auto: the faster predicted (default 1f1b)",
     )
     parser.add_argument(
         "--tensor-parallel",
@@ -180,15 +182,18 @@ def _print(data: dict, plan: Plan, as_json: bool, result: Reconfiguration | None
     )
     if choices := plan.extra.get("tensor_parallel_choices"):
         console.print("tensor parallel, each degree's plan: " + "; ".join(map(_choice, choices)))
+    if choices := plan.extra.get("schedule_choices"):
+        console.print("schedule, each one's plan: " + "; ".join(map(_choice, choices)))
     for warning in plan.warnings:
         console.print(f"[yellow]warning:[/yellow] {warning}")
 
 
 def _choice(choice: dict) -> str:
-    t = choice["tensor_parallel"]
+    """One alternative the planner weighed: a degree ``t=...`` or a schedule, and its plan's step."""
+    name = choice["schedule"] if "schedule" in choice else f"t={choice['tensor_parallel']}"
     if "infeasible" in choice:
-        return f"t={t}: none ({choice['infeasible']})"
-    return f"t={t}: {choice['iteration_time_s']:.3f} s"
+        return f"{name}: none ({choice['infeasible']})"
+    return f"{name}: {choice['iteration_time_s']:.3f} s"
 
 
 def _templates_table(plan: Plan) -> Table:

@@ -86,9 +86,10 @@ class OobleckConfig:
     divisor of ``devices_per_node``, or ``"auto"`` (the planner profiles the layers at every such degree and
     keeps the fastest plan)."""
     schedule: str = "1f1b"
-    """The pipeline schedule: ``1f1b``, or ``zb-h1`` (zero bubble: each backward split into the input's
+    """The pipeline schedule: ``1f1b``, ``zb-h1`` (zero bubble: each backward split into the input's
     gradient, sent upstream at once, and the weights', run later in what would be bubbles; shorter steps at
-    1F1B's peak activation memory). The planner plans for it; a ``plan_path`` must have been made for it."""
+    1F1B's peak activation memory on every stage), or ``"auto"`` (the planner plans both and keeps the faster
+    predicted). The planner plans for it; a ``plan_path`` must have been made for it."""
     join_policy: str = "at_once"
     """When nodes that come back (or spares) join the running training: ``at_once`` (at the next step
     boundary), ``whole_template`` (once they form a pipeline of their own) or ``hot_standby`` (only to
@@ -135,8 +136,15 @@ class OobleckConfig:
                 "activation_checkpointing='auto' lets the planner choose where to recompute; with a fixed "
                 "layout or plan_path give true or false (a plan_path's stages say it themselves)"
             )
-        if self.schedule not in SCHEDULE_NAMES:
-            raise ValueError(f"schedule must be one of {', '.join(SCHEDULE_NAMES)}, got {self.schedule!r}")
+        if self.schedule not in (*SCHEDULE_NAMES, "auto"):
+            raise ValueError(
+                f"schedule must be one of {', '.join(SCHEDULE_NAMES)} or 'auto', got {self.schedule!r}"
+            )
+        if self.schedule == "auto" and self.layout is not None:
+            raise ValueError(
+                "schedule='auto' lets the planner choose; with a fixed layout name the schedule: "
+                f"{' or '.join(SCHEDULE_NAMES)}"
+            )
         t = self.tensor_parallel
         if t != "auto" and (isinstance(t, bool) or not isinstance(t, int) or t < 1):
             raise ValueError(f"tensor_parallel must be a positive integer or 'auto', got {t!r}")

@@ -15,7 +15,7 @@ def configured_plan(config: OobleckConfig, num_layers: int, num_workers: int) ->
     """The plan fixed by ``plan_path`` or ``layout``, or ``None`` when the planner must choose."""
     if config.plan_path is not None:
         plan = Plan.load(config.plan_path)
-        if plan.schedule != config.schedule:
+        if config.schedule != "auto" and plan.schedule != config.schedule:
             raise ValueError(
                 f"the plan {config.plan_path} was made for the {plan.schedule!r} schedule but the strategy "
                 f"asks for schedule={config.schedule!r}: set schedule={plan.schedule!r}, or make the plan "

@@ -145,7 +145,7 @@ class OobleckStrategy(ParallelStrategy, PipelineExecutor):
         layout: Sequence[Sequence[int]] | None = None,
         activation_checkpointing: bool | Literal["auto"] = False,
         microbatches: Sequence[int] | None = None,
-        schedule: Literal["1f1b", "zb-h1"] = "1f1b",
+        schedule: Literal["1f1b", "zb-h1", "auto"] = "1f1b",
         tensor_parallel: int | Literal["auto"] = 1,
         join_policy: Literal["at_once", "whole_template", "hot_standby"] = "at_once",
         replace_failed_after_s: float | None = None,

@@ -109,27 +109,45 @@ def _per_kind(kinds: tuple[PipelineTemplate, ...], pipelines: tuple[int, ...], t
 
 
 def min_slowest_time(sums: np.ndarray, maxes: np.ndarray, counts: np.ndarray, total: int) -> float:
-    """The optimum of :func:`distribute_microbatches` without a solver, for pipelines grouped by kind.
+    """The optimum of :func:`distribute_microbatches` without a solver, for pipelines grouped by kind:
+    ``counts[i]`` pipelines of kind ``i`` share ``(sums[i], maxes[i])`` (:func:`min_slowest_times` of one)."""
+    return float(min_slowest_times(sums, maxes, np.asarray(counts)[None, :], total)[0])
 
-    ``counts[i]`` pipelines of kind ``i`` share ``(sums[i], maxes[i])``. Pipeline capacity under a
-    deadline ``T`` is ``floor((T - a) / c) + 1``; the optimum is the smallest achievable ``T`` whose
-    total capacity reaches ``total``, found by bisection and snapped to the exact candidate value.
+
+def min_slowest_times(sums: np.ndarray, maxes: np.ndarray, counts: np.ndarray, total: int) -> np.ndarray:
+    """:func:`min_slowest_time` of every row of ``counts`` (a multiset of kinds per row), all at once.
+
+    Pipeline capacity under a deadline ``T`` is ``floor((T - a) / c) + 1``; the optimum is the smallest
+    achievable ``T`` whose total capacity reaches ``total``, found by bisection and snapped to the exact
+    candidate value: every deadline reachable above the bisection's lower end is a kind's next finishing
+    time, and the first of those that suffices is the optimum.
     """
-    _check(int(counts.sum()), total)
+    counts = np.asarray(counts, dtype=np.int64)
+    _check(int(counts.sum(axis=1).max(initial=0)), total)
+    used = counts > 0
+    sums = np.broadcast_to(np.asarray(sums, dtype=np.float64), counts.shape)
+    maxes = np.broadcast_to(np.asarray(maxes, dtype=np.float64), counts.shape)
 
-    def capacity(t: float) -> int:
-        return int((counts * (np.floor((t - sums) / maxes + _EPS) + 1)).sum())
+    def capacity(deadlines: np.ndarray) -> np.ndarray:
+        """Micro-batches each row's pipelines finish by each of its ``deadlines[row, j]``."""
+        per = np.floor((deadlines[:, :, None] - sums[:, None, :]) / maxes[:, None, :] + _EPS) + 1
+        return (counts[:, None, :] * per).sum(axis=2)
 
-    lo = float(sums.max())
-    if capacity(lo) >= total:
-        return lo
-    hi = float((sums + (total - 1) * maxes).max())
-    while hi - lo > _EPS * max(1.0, hi) and np.nextafter(lo, hi) < hi:
+    lo = np.where(used, sums, -np.inf).max(axis=1)
+    hi = np.where(used, sums + (total - 1) * maxes, -np.inf).max(axis=1)
+    done = capacity(lo[:, None])[:, 0] >= total
+    hi = np.where(done, lo, hi)
+    while True:
+        open_ = ~done & (hi - lo > _EPS * np.maximum(1.0, hi)) & (np.nextafter(lo, hi) < hi)
+        if not open_.any():
+            break
         mid = (lo + hi) / 2
-        if capacity(mid) >= total:
-            hi = mid
-        else:
-            lo = mid
-    # Every deadline reachable above lo is a kind's next finishing time; take the first that suffices.
-    candidates = np.sort(sums + (np.floor((lo - sums) / maxes + _EPS) + 1) * maxes)
-    return next((float(t) for t in candidates if capacity(t) >= total), hi)
+        enough = capacity(mid[:, None])[:, 0] >= total
+        hi = np.where(open_ & enough, mid, hi)
+        lo = np.where(open_ & ~enough, mid, lo)
+    nexts = sums + (np.floor((lo[:, None] - sums) / maxes + _EPS) + 1) * maxes
+    candidates = np.sort(np.where(used, nexts, np.inf), axis=1)
+    real = np.isfinite(candidates)
+    enough = real & (capacity(np.where(real, candidates, hi[:, None])) >= total)
+    snapped = np.where(enough.any(axis=1), candidates[np.arange(len(lo)), enough.argmax(axis=1)], hi)
+    return np.where(done, lo, snapped)

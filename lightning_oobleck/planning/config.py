@@ -45,7 +45,7 @@ class PlannerConfig:
     activation_checkpointing: Any = False
     """Activation recomputation: false, true (every stage) or auto (only where a split would not fit)."""
     schedule: str = "1f1b"
-    """The pipeline schedule the plan runs: 1f1b or zb-h1."""
+    """The pipeline schedule the plan runs: 1f1b, zb-h1, or auto (the faster predicted)."""
     tensor_parallel: Any = 1
     """The devices of a node each stage runs on (1, 2, 4, 8: a divisor of the GPUs per node), or auto: the
     fastest plan among the degrees the profile describes."""

@@ -16,8 +16,8 @@ Other schedules (``schedule="zb-h1"``). Their iteration time is the event simula
 lists (:func:`lightning_oobleck.planning.schedules.simulate`) with each stage's forward, input-gradient and
 weight-gradient times from the profile, and the transfers as link delays (:meth:`simulated_time_s`). The
 planner keeps the linear form ``T(m) = a + (m - 1) * c`` for instantiation and batch distribution, with
-``a`` and ``c`` the line through the simulation at ``m = S`` and ``m = max(2 S, m_template)``
-(:meth:`schedule_fit_s`): once every stage is busy (``m >= S``) each further micro-batch adds a constant
+``a`` and ``c`` the line through the simulation at ``m = S`` and ``m = 2 S``
+(:meth:`schedule_fits_s`): once every stage is busy (``m >= S``) each further micro-batch adds a constant
 time, and the line matches the simulation (within 0.3% up to ``m = 4 S`` on the synthetic GPT profiles).
 Below ``S`` ZB-H1 never reaches its steady state, each micro-batch adds only about ``F + I`` of the slowest
 stage, and the line is optimistic (0.64 of the simulation at ``m = 1`` on 8 stages); the planner does not
@@ -61,6 +61,7 @@ reads and writes the parameter state once (``2 * bytes * state_factor / memory_b
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Literal, NamedTuple
 
 import numpy as np
@@ -69,17 +70,7 @@ from numpy.typing import ArrayLike
 from lightning_oobleck.planning.cluster import ClusterSpec
 from lightning_oobleck.planning.plan import PipelineTemplate
 from lightning_oobleck.planning.profile import DTYPE_BYTES, ModelProfile
-from lightning_oobleck.planning.schedules import (
-    Action,
-    Op,
-    PipelineSpec,
-    Worker,
-    check_schedule_name,
-    in_flight_limit,
-    iteration_time_s,
-    pipeline_actions,
-    simulate,
-)
+from lightning_oobleck.planning.schedules import check_schedule_name, in_flight_limit, pipeline_times_s
 
 
 def default_state_factor(profile: ModelProfile) -> float:
@@ -109,17 +100,34 @@ on torch 2.11 and 2.13: 1.0 for float32 and bfloat16 parameters; 0.5 with the pe
 default, for four parameters of one size). ``benchmarks/gpu_check.py`` measures it on a GPU."""
 
 
+_CHOICES_KEPT_BYTES = 2**27
+"""How much of :meth:`CostModel.stage_choices`' bands a cost model keeps for reuse (128 MiB)."""
+
 ActivationCheckpointing = bool | Literal["auto"]
 """Whether stages recompute activations: never, always, or where a split would not fit otherwise."""
 
 
 class StageChoices(NamedTuple):
-    """For each stage index ``s`` and layer range ``[i, j)``: its time and memory (``inf`` where it does not
-    fit the device) and whether it recomputes activations."""
+    """For each stage ``s`` of a split into ``S`` stages and each layer range it may hold: its time and memory
+    (``inf`` time where it does not fit the device) and whether it recomputes activations.
+
+    Only the ranges that leave every other stage a layer are held, a band of width ``W = L - S + 1`` per
+    stage: ``[s, a, b]`` is the range ``[s + a, s + 1 + b)`` (``inf`` time where ``b < a``). :meth:`at`
+    reads one range by its layers.
+    """
 
     times: np.ndarray
     memory: np.ndarray
     recompute: np.ndarray
+
+    def at(self, stage: int, first: int, end: int) -> tuple[float, float, bool]:
+        """Time, memory and recomputation of ``[first, end)`` as stage ``stage``."""
+        a, b = first - stage, end - stage - 1
+        return (
+            float(self.times[stage, a, b]),
+            float(self.memory[stage, a, b]),
+            bool(self.recompute[stage, a, b]),
+        )
 
 
 class CostModel:
@@ -175,6 +183,7 @@ class CostModel:
         # the output a stage ending before layer j keeps per in-flight micro-batch (indexed by j)
         self._kept_output = np.concatenate(([0.0], self._outputs[:-1], [0.0]))
         self._kept_output_recomputing = np.concatenate(([0.0], self._outputs))
+        self._choices: dict[int, StageChoices] = {}
 
     @property
     def num_layers(self) -> int:
@@ -272,42 +281,41 @@ class CostModel:
             return forward, backward, 0.0
         return forward, backward - weight, weight
 
+    def _simulated(self, template: PipelineTemplate, microbatches: int) -> tuple[list, list, int]:
+        """``template``'s stages as :func:`~.schedules.pipeline_times_s` takes them."""
+        stages, g = template.stages, self.stages_per_node
+        phases = [
+            self.stage_phases_s(s.first_layer, s.end_layer, k, s.recompute) for k, s in enumerate(stages)
+        ]
+        delays = [
+            self.p2p_s(self._outputs[s.end_layer - 1], same_node=(k + 1) % g != 0)
+            for k, s in enumerate(stages)
+        ]
+        return phases, delays, microbatches
+
     def simulated_time_s(
         self, template: PipelineTemplate, microbatches: int, schedule: str | None = None
     ) -> float:
         """The iteration time of one pipeline of ``template`` running ``microbatches`` micro-batches under
         ``schedule`` (default: the model's), by event simulation of its action lists."""
-        stages = template.stages
-        workers: tuple[Worker, ...] = tuple((s, 0) for s in range(len(stages)))
-        spec = PipelineSpec(workers, tuple(tuple(s.layers) for s in stages), tuple(range(microbatches)))
-        phases = [
-            self.stage_phases_s(s.first_layer, s.end_layer, k, s.recompute) for k, s in enumerate(stages)
-        ]
-        g = self.stages_per_node
+        return float(
+            pipeline_times_s(schedule or self.schedule, [self._simulated(template, microbatches)])[0]
+        )
 
-        def duration(worker: Worker, action: Action) -> float:
-            f, i, w = phases[worker[0]]
-            return {Op.F: f, Op.I: i, Op.W: w, Op.B: i + w}[action.op]
-
-        def transfer(sender: Worker, receiver: Worker, action: Action) -> float:
-            low = min(sender[0], receiver[0])  # the boundary after stage ``low``
-            nbytes = self._outputs[stages[low].end_layer - 1]
-            return self.p2p_s(nbytes, same_node=(low + 1) % g != 0)
-
-        actions = pipeline_actions(spec, schedule or self.schedule)
-        return iteration_time_s(simulate(actions, duration, transfer))
-
-    def schedule_fit_s(self, template: PipelineTemplate) -> tuple[float, float] | None:
-        """``(a, c)`` of ``T(m) = a + (m - 1) * c`` for ``template`` under the model's schedule (``None`` for
-        1F1B, whose closed form is exact): the line through the simulation at ``m1 = S`` and
-        ``m2 = max(2 S, template.microbatches)``."""
+    def schedule_fits_s(self, templates: Sequence[PipelineTemplate]) -> list[tuple[float, float] | None]:
+        """``(a, c)`` of ``T(m) = a + (m - 1) * c`` for each template under the model's schedule (``None`` for
+        1F1B, whose closed form is exact): the line through the simulation at ``m = S`` and ``m = 2 S``, all
+        templates simulated together."""
         if self.schedule == "1f1b":
-            return None
-        m1 = len(template.stages)
-        m2 = max(2 * m1, template.microbatches)
-        t1, t2 = self.simulated_time_s(template, m1), self.simulated_time_s(template, m2)
-        c = (t2 - t1) / (m2 - m1)
-        return t1 - (m1 - 1) * c, c
+            return [None] * len(templates)
+        runs = [self._simulated(t, m * len(t.stages)) for t in templates for m in (1, 2)]
+        times = pipeline_times_s(self.schedule, runs).reshape(-1, 2)
+        fits = []
+        for template, (t1, t2) in zip(templates, times, strict=True):
+            m1 = len(template.stages)
+            c = float(t2 - t1) / m1
+            fits.append((float(t1) - (m1 - 1) * c, c))
+        return fits
 
     def allreduce_s(self, nbytes: ArrayLike, replicas: ArrayLike) -> np.ndarray:
         """Ring all-reduce of ``nbytes`` across ``replicas`` pipelines (0 for a single replica)."""
@@ -334,61 +342,75 @@ class CostModel:
         sync = self.allreduce_s(params, k) + (end - first - 1)[None, :] * self.allreduce_s(0.0, k)
         return (sync + self.optimizer_step_s(params)).max(axis=1)
 
-    # ------------------------------------------------------------------ matrices for the template search
-    def stage_time_matrices(self, num_stages: int) -> np.ndarray:
-        """``M[s, i, j]`` = :meth:`stage_time_s` of ``[i, j)`` as stage ``s``; ``inf`` where ``j <= i``."""
-        n = self.num_layers + 1
-        base = self._compute[None, :] - self._compute[:, None]
-        base = np.where(np.arange(n)[None, :] > np.arange(n)[:, None], base, np.inf)
+    # ------------------------------------------------------------------ bands for the template search
+    def _band(self, num_stages: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """The coordinates of :class:`StageChoices`' band: stage ``(S, 1, 1)``, first ``(S, W, 1)`` and end
+        ``(S, 1, W)`` layers, broadcasting to ``(S, W, W)``."""
+        w = self.num_layers - num_stages + 1
+        stage = np.arange(num_stages)[:, None, None]
+        return stage, stage + np.arange(w)[None, :, None], stage + 1 + np.arange(w)[None, None, :]
+
+    def stage_time_band(self, num_stages: int) -> np.ndarray:
+        """:meth:`stage_time_s` of every range of the band (:class:`StageChoices`), ``inf`` where empty."""
+        _, first, end = self._band(num_stages)
+        times = np.where(end > first, self._compute[end] - self._compute[first], np.inf)
         boundary = np.concatenate(([0.0], self._outputs))  # bytes crossing the boundary before layer j
         g = self.stages_per_node
-        out = np.empty((num_stages, n, n))
-        for s in range(num_stages):
-            t = base
-            if s < num_stages - 1:
-                latency, bandwidth = self._link((s + 1) % g != 0)
-                t = t + (latency + boundary / bandwidth)[None, :]
-            if s > 0:
-                latency, bandwidth = self._link(s % g != 0)
-                t = t + (latency + boundary / bandwidth)[:, None]
-            out[s] = t
-        return out
+        # each stage's links: (latency, bandwidth) out to the next stage and in from the previous one, none
+        # (0, inf) at the pipeline's ends
+        out = np.array([self._link((s + 1) % g != 0) for s in range(num_stages - 1)] + [(0.0, np.inf)])
+        into = np.array([(0.0, np.inf)] + [self._link(s % g != 0) for s in range(1, num_stages)])
+        times = times + (out[:, :1, None] + boundary[end] / out[:, 1:, None])
+        return times + (into[:, :1, None] + boundary[first] / into[:, 1:, None])
 
     def stage_choices(self, num_stages: int) -> StageChoices:
-        """Each stage's time and memory under ``activation_checkpointing``, ``inf`` where it does not fit."""
+        """Each stage's time and memory under ``activation_checkpointing``, ``inf`` where it does not fit.
+
+        Kept for the next call with the same ``num_stages`` (the planner asks once whether a size is feasible,
+        then for its template) up to :data:`_CHOICES_KEPT_BYTES` in all."""
+        if num_stages in self._choices:
+            return self._choices[num_stages]
+        choices = self._stage_choices(num_stages)
+        if sum(c.times.nbytes * 2 for c in self._choices.values()) < _CHOICES_KEPT_BYTES:
+            self._choices[num_stages] = choices
+        return choices
+
+    def _stage_choices(self, num_stages: int) -> StageChoices:
         cap = self.cluster.device_memory_bytes
-        plain_t, plain_m = self.stage_time_matrices(num_stages), self.stage_memory_matrices(num_stages)
+        plain_t, plain_m = self.stage_time_band(num_stages), self.stage_memory_band(num_stages)
         plain_t = np.where(plain_m <= cap, plain_t, np.inf)
         if self.activation_checkpointing is False:
             return StageChoices(plain_t, plain_m, np.zeros(plain_t.shape, dtype=bool))
-        n = self.num_layers + 1
-        forward = self._forward[None, :] - self._forward[:, None]
-        forward = np.where(np.arange(n)[None, :] > np.arange(n)[:, None], forward, 0.0)
-        re_t = self.stage_time_matrices(num_stages) + forward[None]  # inf stays inf where j <= i
-        re_m = self.recompute_memory_matrices(num_stages)
+        _, first, end = self._band(num_stages)
+        forward = np.where(end > first, self._forward[end] - self._forward[first], 0.0)
+        re_t = self.stage_time_band(num_stages) + forward  # inf stays inf where the range is empty
+        re_m = self.recompute_memory_band(num_stages)
         re_t = np.where(re_m <= cap, re_t, np.inf)
         if self.activation_checkpointing is True:
             return StageChoices(re_t, re_m, np.ones(re_t.shape, dtype=bool))
         use = ~np.isfinite(plain_t) & np.isfinite(re_t)
         return StageChoices(np.where(use, re_t, plain_t), np.where(use, re_m, plain_m), use)
 
-    def recompute_memory_matrices(self, num_stages: int) -> np.ndarray:
-        """``M[s, i, j]``: peak memory of ``[i, j)`` as stage ``s`` with ``m >= S``, recomputing."""
+    def recompute_memory_band(self, num_stages: int) -> np.ndarray:
+        """Peak memory of every range of the band as its stage with ``m >= S``, recomputing."""
+        _, first, end = self._band(num_stages)
         n = self.num_layers + 1
-        params = self._params[None, :] - self._params[:, None]
-        inputs = self._inputs[None, :] - self._inputs[:, None] + self._kept_output_recomputing[None, :]
         peak = np.zeros((n, n))  # the saved tensors of the largest layer of [i, j), alive while recomputed
         for i in range(n - 1):
             peak[i, i + 1 :] = np.maximum.accumulate(self._saved[i:])
-        held = inputs[None] * self._in_flight(num_stages) + peak[None]
-        return params[None] * self.state_factor + np.maximum(held, self.step_bytes(params)[None])
+        params = self._params[end] - self._params[first]
+        inputs = self._inputs[end] - self._inputs[first] + self._kept_output_recomputing[end]
+        held = inputs * self._in_flight(num_stages) + peak[first, end]
+        return params * self.state_factor + np.maximum(held, self.step_bytes(params))
 
-    def stage_memory_matrices(self, num_stages: int) -> np.ndarray:
-        """``M[s, i, j]`` = :meth:`stage_memory_bytes` of ``[i, j)`` as stage ``s`` with ``m >= S``."""
-        params = self._params[None, :] - self._params[:, None]
-        acts = self._activations[None, :] - self._activations[:, None] + self._kept_output[None, :]
-        held = acts[None] * self._in_flight(num_stages)
-        return params[None] * self.state_factor + np.maximum(held, self.step_bytes(params)[None])
+    def stage_memory_band(self, num_stages: int) -> np.ndarray:
+        """:meth:`stage_memory_bytes` of every range of the band (:class:`StageChoices`) with ``m >= S``."""
+        _, first, end = self._band(num_stages)
+        params = self._params[end] - self._params[first]
+        held = (self._activations[end] - self._activations[first] + self._kept_output[end]) * self._in_flight(
+            num_stages
+        )
+        return params * self.state_factor + np.maximum(held, self.step_bytes(params))
 
     def _in_flight(self, num_stages: int) -> np.ndarray:
         """Micro-batches in flight on each stage with ``m >= S``, shaped to broadcast over ``[s, i, j]``."""

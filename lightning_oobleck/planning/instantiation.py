@@ -24,7 +24,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from lightning_oobleck.planning.batch import min_slowest_time
+from lightning_oobleck.planning.batch import min_slowest_times
 from lightning_oobleck.planning.cost import CostModel
 from lightning_oobleck.planning.plan import PipelineTemplate
 
@@ -78,12 +78,19 @@ class IterationTimeModel:
         return self._tails[:, replicas - 1]
 
     def slowest_pipeline_s(self, counts: np.ndarray) -> float:
-        used = counts > 0
-        return min_slowest_time(self.sums[used], self.maxes[used], counts[used], self.num_microbatches)
+        return float(self.slowest_pipelines_s(counts[None, :])[0])
+
+    def slowest_pipelines_s(self, counts: np.ndarray) -> np.ndarray:
+        """:meth:`slowest_pipeline_s` of each row of ``counts``."""
+        return min_slowest_times(self.sums, self.maxes, counts, self.num_microbatches)
 
     def __call__(self, counts: np.ndarray) -> float:
-        k = int(counts.sum())
-        return self.slowest_pipeline_s(counts) + float(self.tails(k)[counts > 0].max())
+        return float(self.times(counts[None, :])[0])
+
+    def times(self, counts: np.ndarray) -> np.ndarray:
+        """The predicted iteration time of each row of ``counts``."""
+        tails = self._tails[:, counts.sum(axis=1) - 1].T  # [row, template]
+        return self.slowest_pipelines_s(counts) + np.where(counts > 0, tails, -np.inf).max(axis=1)
 
 
 def _count_multisets(sizes: Sequence[int], total: int, cap: int) -> int:
@@ -96,20 +103,40 @@ def _count_multisets(sizes: Sequence[int], total: int, cap: int) -> int:
 
 
 def _multisets(sizes: Sequence[int], total: int, min_parts: int, max_parts: int) -> Iterator[np.ndarray]:
-    """Every count vector over ``sizes`` summing to ``total`` with ``min_parts..max_parts`` parts."""
-    counts = np.zeros(len(sizes), dtype=np.int64)
+    """Every count vector over ``sizes`` summing to ``total`` with ``min_parts..max_parts`` parts, in the
+    order of a depth-first search over ``counts[0], counts[1], ...`` entering only branches that finish."""
+    n = len(sizes)
+    # fewest[i][left] / most[i][left]: the fewest / most parts of sizes[i:] summing to left (None: impossible)
+    fewest: list[list[int | None]] = [[0] + [None] * total for _ in range(n + 1)]
+    most: list[list[int | None]] = [[0] + [None] * total for _ in range(n + 1)]
+    for i in reversed(range(n)):
+        lo, hi, size = fewest[i], most[i], sizes[i]
+        for left in range(1, total + 1):
+            options = [(fewest[i + 1][left], most[i + 1][left])]
+            if left >= size and lo[left - size] is not None:
+                options.append((lo[left - size] + 1, hi[left - size] + 1))
+            options = [o for o in options if o[0] is not None]
+            if options:
+                lo[left] = min(o[0] for o in options)
+                hi[left] = max(o[1] for o in options)
+    counts = np.zeros(n, dtype=np.int64)
+
+    def can_finish(i: int, left: int, parts: int) -> bool:
+        lo, hi = fewest[i][left], most[i][left]
+        return lo is not None and parts + lo <= max_parts and parts + hi >= min_parts
 
     def rec(i: int, left: int, parts: int) -> Iterator[np.ndarray]:
-        if i == len(sizes):
-            if left == 0 and min_parts <= parts <= max_parts:
-                yield counts.copy()
+        if left == 0:  # every later count is 0
+            yield counts.copy()
             return
         for c in range(min(left // sizes[i], max_parts - parts) + 1):
-            counts[i] = c
-            yield from rec(i + 1, left - c * sizes[i], parts + c)
+            if can_finish(i + 1, left - c * sizes[i], parts + c):
+                counts[i] = c
+                yield from rec(i + 1, left - c * sizes[i], parts + c)
         counts[i] = 0
 
-    yield from rec(0, total, 0)
+    if can_finish(0, total, 0):
+        yield from rec(0, total, 0)
 
 
 def shortlist(
@@ -159,7 +186,8 @@ def instantiate(
         candidates = list(_multisets(model.sizes.tolist(), num_nodes, min_parts, max_parts))
     else:
         shortlisted = search_shortlist(model, num_nodes, min_parts, max_parts)
-        starts = sorted(shortlisted, key=model)[:_STARTS]
+        times = model.times(np.array(shortlisted))
+        starts = [shortlisted[i] for i in np.argsort(times, kind="stable")[:_STARTS]]
         candidates = [local_search(model, c, min_parts, max_parts)[0] for c in starts]
     if not candidates:
         raise InstantiationError(
@@ -167,7 +195,7 @@ def instantiate(
             f"{sorted(set(model.sizes.tolist()))} nodes with {num_microbatches} micro-batches: lower the "
             "fault tolerance, add nodes, or raise the global batch"
         )
-    times = [model(c) for c in candidates]
+    times = model.times(np.array(candidates)).tolist()
     best = min(range(len(candidates)), key=lambda i: (times[i], -int(candidates[i].sum())))
     return Instantiation(model.templates, tuple(int(c) for c in candidates[best]), times[best])
 
@@ -192,7 +220,7 @@ def search_shortlist(
             if extra:
                 counts[index[base + 1]] += extra
             even.append(counts)
-    deadline = min(model.slowest_pipeline_s(c) for c in first + even)
+    deadline = float(model.slowest_pipelines_s(np.array(first + even)).min())
     capacity = np.floor((deadline - model.sums) / model.maxes + _EPS) + 1
     return even + first + shortlist(model.sizes, capacity, num_nodes, min_parts, max_parts)
 

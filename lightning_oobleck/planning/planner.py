@@ -16,11 +16,12 @@ from typing import Any, Literal
 from lightning_oobleck.planning.batch import distribute_microbatches, num_microbatches
 from lightning_oobleck.planning.cluster import ClusterSpec
 from lightning_oobleck.planning.cost import ActivationCheckpointing, CostModel
-from lightning_oobleck.planning.instantiation import instantiate
+from lightning_oobleck.planning.instantiation import InstantiationError, instantiate
 from lightning_oobleck.planning.node_spec import min_nodes, template_sizes
 from lightning_oobleck.planning.plan import Pipeline, PipelineTemplate, Plan
 from lightning_oobleck.planning.profile import ModelProfile
-from lightning_oobleck.planning.templates import InfeasibleTemplateError, generate_templates
+from lightning_oobleck.planning.schedules import SCHEDULE_NAMES, check_schedule_name
+from lightning_oobleck.planning.templates import InfeasibleTemplateError, generate_templates, with_fits
 
 
 class PlanningError(ValueError):
@@ -66,6 +67,8 @@ class PlannerInputs:
     exact_limit: int = 20_000
     activation_checkpointing: ActivationCheckpointing = False
     schedule: str = "1f1b"
+    """The pipeline schedule (:data:`~lightning_oobleck.planning.schedules.SCHEDULE_NAMES`) or ``"auto"``: the
+    faster predicted. A plan's inputs hold the schedule it chose, which replanning keeps."""
     tensor_parallel: TensorParallel = 1
     """``t``, the devices of a node each stage runs on, or ``"auto"``: the fastest the profile allows. A
     plan's inputs hold the degree it chose, which replanning keeps."""
@@ -152,7 +155,10 @@ def make_plan(
     ``cluster`` describes the nodes; ``num_nodes`` / ``gpus_per_node`` override its counts (or build a
     default :class:`ClusterSpec` when ``cluster`` is None). ``microbatch_size`` defaults to the one
     the profile was measured for and must match it. ``schedule``: the pipeline schedule the plan runs
-    (``"1f1b"`` or ``"zb-h1"``); templates, instantiation and batch distribution are chosen for it.
+    (``"1f1b"`` or ``"zb-h1"``); templates, instantiation and batch distribution are chosen for it. ``"auto"``
+    plans under each schedule the profile can time and keeps the faster predicted plan
+    (``Plan.extra["schedule_choices"]``): ZB-H1 fills the bubble with weight gradients but holds ``min(S, m)``
+    micro-batches on every stage, so which wins depends on the depth of the pipelines and the memory.
     ``tensor_parallel``: the devices of a node each stage runs on (:data:`TensorParallel`); ``"auto"`` plans
     at every degree the profile describes and keeps the fastest plan, one degree for all its templates (a
     layer's gradient is summed shard by shard across pipelines, and a recovery copies shards: both need
@@ -180,51 +186,78 @@ def make_plan(
             f"needs: raise the global batch to at least {(fault_tolerance + 1) * microbatch}"
         )
     degrees = tensor_parallel_degrees(tensor_parallel, profile, cluster.gpus_per_node)
-    plans: dict[int, Plan] = {}
-    reasons: dict[int, str] = {}
-    for t in degrees:
-        inputs = PlannerInputs(
-            profile,
-            cluster,
-            fault_tolerance,
-            state_factor,
-            exact_limit,
-            activation_checkpointing,
-            schedule,
-            t,
-        )
-        try:
-            plans[t] = _plan_at(inputs, global_batch, microbatch, started)
-        except (PlanningError, InfeasibleTemplateError) as err:
-            if len(degrees) == 1:
-                raise
-            reasons[t] = str(err)
+    schedules = schedule_choices(schedule, profile)
+    plans: dict[tuple[str, int], Plan] = {}
+    reasons: dict[tuple[str, int], str] = {}
+    for name in schedules:
+        for t in degrees:
+            inputs = PlannerInputs(
+                profile,
+                cluster,
+                fault_tolerance,
+                state_factor,
+                exact_limit,
+                activation_checkpointing,
+                name,
+                t,
+            )
+            try:
+                plans[name, t] = _plan_at(inputs, global_batch, microbatch, started)
+            except (PlanningError, InfeasibleTemplateError, InstantiationError) as err:
+                if len(degrees) == 1 and len(schedules) == 1:
+                    raise
+                reasons[name, t] = str(err)
     if not plans:
         raise PlanningError(
-            "no tensor-parallel degree gives a plan: " + "; ".join(f"t={t}: {r}" for t, r in reasons.items())
+            ("no schedule and tensor-parallel degree" if len(schedules) > 1 else "no tensor-parallel degree")
+            + " gives a plan: "
+            + "; ".join(
+                f"{name} t={t}: {r}" if len(schedules) > 1 else f"t={t}: {r}"
+                for (name, t), r in reasons.items()
+            )
         )
-    best = min(plans, key=lambda t: (plans[t].iteration_time_s, t))
+    best = min(plans, key=lambda k: (plans[k].iteration_time_s, k[1], schedules.index(k[0])))
     plan = plans[best]
-    if len(degrees) == 1 and tensor_parallel != "auto":
+    if tensor_parallel != "auto" and schedule != "auto":
         return plan
-    choices = [
-        {"tensor_parallel": t, "iteration_time_s": plans[t].iteration_time_s}
-        if t in plans
-        else {"tensor_parallel": t, "infeasible": reasons[t]}
-        for t in degrees
-    ]
+    extra = dict(plan.extra)
+    if tensor_parallel == "auto":
+        extra["tensor_parallel_choices"] = [
+            {"tensor_parallel": t, "iteration_time_s": plans[best[0], t].iteration_time_s}
+            if (best[0], t) in plans
+            else {"tensor_parallel": t, "infeasible": reasons[best[0], t]}
+            for t in degrees
+        ]
+    if schedule == "auto":
+        extra["schedule_choices"] = [
+            {"schedule": name, "iteration_time_s": plans[name, best[1]].iteration_time_s}
+            if (name, best[1]) in plans
+            else {"schedule": name, "infeasible": reasons[name, best[1]]}
+            for name in schedules
+        ]
     warnings = plan.warnings
-    if degrees == (1,):
+    if tensor_parallel == "auto" and degrees == (1,):
         warnings += (
             "tensor_parallel='auto' planned every stage on one device: the model's layers declare no "
             "tensor-parallel plan (PipelineModule.tensor_parallel_plan)",
         )
-    return replace(
-        plan,
-        extra={**plan.extra, "tensor_parallel_choices": choices},
-        planning_s=time.perf_counter() - started,
-        warnings=warnings,
-    )
+    if schedule == "auto" and schedules == ("1f1b",):
+        warnings += (
+            "schedule='auto' planned 1F1B only: the profile has no weight-gradient times, which ZB-H1's "
+            "split backward needs (profile the model again)",
+        )
+    return replace(plan, extra=extra, planning_s=time.perf_counter() - started, warnings=warnings)
+
+
+def schedule_choices(requested: str, profile: ModelProfile) -> tuple[str, ...]:
+    """The schedules ``requested`` lets the planner try: itself, or for ``"auto"`` every one the profile can
+    time (ZB-H1 needs each layer's weight-gradient time)."""
+    if requested != "auto":
+        check_schedule_name(requested)
+        return (requested,)
+    if any(layer.weight_grad_s is None for layer in profile.layers):
+        return ("1f1b",)
+    return SCHEDULE_NAMES
 
 
 def _plan_at(inputs: PlannerInputs, global_batch: int, microbatch: int, started: float) -> Plan:
@@ -281,7 +314,7 @@ def with_templates(layout: Plan, inputs: PlannerInputs) -> Plan:
     started = time.perf_counter()
     cost = inputs.cost()
     planned = inputs.make_plan(layout.global_batch_size, layout.microbatch_size)
-    own = {t.num_nodes: _costed(cost, t) for t in layout.templates}
+    own = {t.num_nodes: t for t in with_fits(cost, [_costed(cost, t) for t in layout.templates])}
     templates = {**{t.num_nodes: t for t in planned.templates}, **own}
     layouts = [(own[p.template.num_nodes], p.nodes) for p in layout.pipelines]
     plan = assemble_plan(
@@ -302,16 +335,15 @@ def with_templates(layout: Plan, inputs: PlannerInputs) -> Plan:
 
 
 def _costed(cost: CostModel, template: PipelineTemplate) -> PipelineTemplate:
-    """``template``'s split with the cost model's stage times and memory."""
+    """``template``'s split with the cost model's stage times and memory (without its schedule's fit)."""
     stages = list(enumerate(template.stages))
-    costed = replace(
+    return replace(
         template,
         stage_times_s=tuple(cost.stage_time_s(s.first_layer, s.end_layer, i, len(stages)) for i, s in stages),
         stage_memory_bytes=tuple(
             cost.stage_memory_bytes(s.first_layer, s.end_layer, i, len(stages)) for i, s in stages
         ),
     )
-    return replace(costed, schedule_fit_s=cost.schedule_fit_s(costed))
 
 
 def assemble_plan(

@@ -29,10 +29,13 @@ wait for the stages before it: with ``F = I = W`` its bubble is ``(S - 1)`` time
 
 from __future__ import annotations
 
+import itertools
 from collections import defaultdict
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from enum import Enum
+
+import numpy as np
 
 from lightning_oobleck.worker import Worker
 
@@ -85,6 +88,9 @@ class Action:
         arrow = "to" if self.op is Op.SEND else "from"
         return f"{self.op.value}({self.payload.value} of micro-batch {self.microbatch} {arrow} {self.peer})"
 
+
+PhaseTimes = tuple[float, float, float]
+"""A stage's ``(F, I, W)`` seconds per micro-batch."""
 
 Schedule = dict[Worker, list[Action]]
 """The action lists of one step, by worker."""
@@ -391,3 +397,106 @@ def simulate(
 def iteration_time_s(timings: Mapping[Worker, Sequence[Timing]]) -> float:
     """The step's length in a simulation: when the last worker finishes."""
     return max((t[-1].end for t in timings.values() if t), default=0.0)
+
+
+def pipeline_times_s(
+    schedule: str, pipelines: Sequence[tuple[Sequence[PhaseTimes], Sequence[float], int]]
+) -> np.ndarray:
+    """``iteration_time_s(simulate(pipeline_actions(spec, schedule), ...))`` of each pipeline of one worker
+    per stage, all simulated at once without building their action lists: the planner's inner loop (a
+    template's fit simulates it at ``S`` and ``2 S`` micro-batches on ``S`` stages, for every template
+    of every degree).
+
+    A pipeline is ``(phases, delays, m)``: ``phases[s]`` is stage ``s``'s ``(F, I, W)`` per micro-batch (a
+    ``B`` takes ``I + W``), ``delays[s]`` the transfer time across the boundary after stage ``s`` either way,
+    ``m`` its micro-batches. The event rules are :func:`simulate`'s and so is the arithmetic, so the times are
+    equal to the last bit: each stage (a *lane*) runs its order (:data:`SCHEDULES`) one action at a time, a
+    forward waits for its activation and an ``I`` or ``B`` for its gradient, each sent when the neighbour's
+    action ends. Every lane takes its next action in the same round when it can (NumPy over the lanes), so
+    the rounds are the longest chain of actions, about ``2 m + 2 S``, not their number.
+    """
+    check_schedule_name(schedule)
+    zero_bubble = schedule == "zb-h1"
+    lanes = [(s, len(phases), m) for phases, _, m in pipelines for s in range(len(phases))]
+    if not lanes:
+        return np.zeros(len(pipelines))
+    stage, depth, count = (np.array(v, dtype=np.int64) for v in zip(*lanes, strict=True))
+    phase = np.array([p for phases, _, _ in pipelines for p in phases], dtype=np.float64).reshape(-1, 3)
+    delay = np.array([d for _, delays, _ in pipelines for d in delays], dtype=np.float64)
+    n = len(lanes)
+    # The actions of every lane, one after the other in flat arrays (lane k's from offset[k]): its order
+    # (:func:`_orders`) with each action's duration, the arrival it waits for and the one it sends.
+    trailing = np.minimum(stage, count) if zero_bubble else np.zeros(n, dtype=np.int64)
+    length = 2 * count + trailing
+    offset = np.cumsum(length) - length
+    code, micro = _orders(stage, depth, count, trailing, offset)
+    lane = np.repeat(np.arange(n), length)
+    took = phase[lane, np.where(code == 0, 0, np.where(code == 2, 2, 1))]
+    tail = np.zeros_like(took)
+    if zero_bubble:  # the W of micro-batch i - s runs right after the I of i on stage s: as that I's tail
+        tail = np.where((code == 1) & (micro >= stage[lane]), phase[lane, 2], 0.0)
+    else:  # every backward is a B: I + W
+        took = np.where(code == 1, phase[lane, 1] + phase[lane, 2], took)
+    # arrivals[c * M + first[k] + mb]: when micro-batch mb's activation (c = 0) or gradient (c = 1) reaches
+    # lane k (-1: not yet sent), M micro-batches over all lanes; then a slot that is always 0 (what a W, a
+    # first stage's forward or a last stage's backward waits for) and one that absorbs sends to nowhere
+    total = int(count.sum())
+    first = np.cumsum(count) - count
+    arrivals = np.full(2 * total + 2, -1.0)
+    ready_slot, sink = 2 * total, 2 * total + 1
+    arrivals[ready_slot] = 0.0
+    head, tail_stage = stage[lane] == 0, stage[lane] == depth[lane] - 1
+    waits = np.minimum(code, 1) * total + first[lane] + micro
+    waits = np.where((code == 2) | ((code == 0) & head) | ((code == 1) & tail_stage), ready_slot, waits)
+    neighbour = np.where(code == 0, lane + 1, lane - 1)  # a forward sends down the pipeline, a backward up
+    sends = np.where(code == 0, 0, total) + first[np.clip(neighbour, 0, n - 1)] + micro
+    sends = np.where((code == 2) | ((code == 0) & tail_stage) | ((code == 1) & head), sink, sends)
+    lag = delay[np.where(code == 0, lane, np.maximum(lane - 1, 0))]
+    position = np.zeros(n, dtype=np.int64)
+    clock = np.zeros(n)
+    while True:
+        active = np.flatnonzero(position < length)
+        if active.size == 0:
+            break
+        at = offset[active] + position[active]
+        arrival = arrivals[waits[at]]
+        ready = arrival >= 0.0
+        if not ready.any():
+            raise ScheduleError(f"the {schedule} lists of {len(pipelines)} pipeline(s) deadlock")
+        end = np.maximum(clock[active], arrival) + took[at]
+        clock[active] = np.where(ready, end + tail[at], clock[active])
+        position[active] += ready
+        arrivals[np.where(ready, sends[at], sink)] = end + lag[at]
+    bounds = np.cumsum([0] + [len(phases) for phases, _, _ in pipelines])
+    return np.array([clock[a:b].max(initial=0.0) for a, b in itertools.pairwise(bounds)])
+
+
+def _orders(
+    stage: np.ndarray, depth: np.ndarray, count: np.ndarray, trailing: np.ndarray, offset: np.ndarray
+) -> tuple[np.ndarray, np.ndarray]:
+    """Every lane's compute order as in :data:`SCHEDULES`, as flat arrays ``code`` (0: F, 1: I or B, 2: a W
+    left for the end of the step) and ``micro``, lane ``k``'s from ``offset[k]``.
+
+    With ``w`` warm-up forwards the order is ``F(0..w-1)``, then ``F(w + i), I(i)`` for ``i < m - w``, then
+    the other ``I``, then the ``W`` of the last ``trailing`` micro-batches (ZB-H1; its others are tails).
+    """
+    size = int((2 * count + trailing).sum())
+    code, micro = np.full(size, 2, dtype=np.int64), np.zeros(size, dtype=np.int64)
+    lane = np.repeat(np.arange(len(count)), count)
+    j = np.arange(len(lane)) - np.repeat(np.cumsum(count) - count, count)  # micro-batch j of its lane
+    m, w, base = count[lane], np.minimum(depth - stage - 1, count)[lane], offset[lane]
+    at_f = base + np.where(j < w, j, 2 * j - w)
+    at_i = base + np.where(j < m - w, w + 2 * j + 1, m + j)
+    code[at_f], micro[at_f] = 0, j
+    code[at_i], micro[at_i] = 1, j
+    lane = np.repeat(np.arange(len(count)), trailing)
+    k = np.arange(len(lane)) - np.repeat(np.cumsum(trailing) - trailing, trailing)
+    micro[offset[lane] + 2 * count[lane] + k] = count[lane] - trailing[lane] + k
+    return code, micro
+
+
+def pipeline_time_s(
+    schedule: str, phases: Sequence[PhaseTimes], delays: Sequence[float], microbatches: int
+) -> float:
+    """:func:`pipeline_times_s` of one pipeline."""
+    return float(pipeline_times_s(schedule, [(phases, delays, microbatches)])[0])

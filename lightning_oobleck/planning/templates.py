@@ -22,7 +22,7 @@ exhaustive enumeration of all splits.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from dataclasses import replace
 
 import numpy as np
@@ -39,7 +39,8 @@ class InfeasibleTemplateError(ValueError):
 
 
 class _SplitSearch:
-    """Dynamic programmes over the stage-time tensor ``times[s, i, j]`` (``inf`` = not allowed).
+    """Dynamic programmes over the stage-time band ``times[s, a, b]`` of :class:`StageChoices` (the range
+    ``[s + a, s + 1 + b)``; ``inf`` = not allowed).
 
     Stage ``s`` of ``S`` may only cover ``[i, j)`` with ``s <= i`` and ``j <= L - (S - 1 - s)``, so that
     every stage keeps at least one layer: a band of width ``W = L - S + 1`` per stage.
@@ -47,13 +48,8 @@ class _SplitSearch:
 
     def __init__(self, times: np.ndarray) -> None:
         self.times = times
-        self.num_stages, n, _ = times.shape
-        self.num_layers = n - 1
-        self.width = self.num_layers - self.num_stages + 1
-
-    def _band(self, s: int) -> np.ndarray:
-        w = self.width
-        return self.times[s, s : s + w, s + 1 : s + 1 + w]
+        self.num_stages, self.width, _ = times.shape
+        self.num_layers = self.width + self.num_stages - 1
 
     def min_sum(self, bounds: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """For each bound, the least stage-time sum with every stage ``<= bound``, and the choices.
@@ -67,12 +63,12 @@ class _SplitSearch:
         f[:, 0] = 0.0  # after zero stages, zero layers are covered
         choice = np.empty((self.num_stages, k, w), dtype=np.int64)
         for s in range(self.num_stages):
-            t = self._band(s)
+            t = self.times[s]
             t = np.where(t[None] <= bounds[:, None, None], t[None], np.inf)
             cand = f[:, :, None] + t
             arg = cand.argmin(axis=1)
             choice[s] = arg + s
-            f = np.take_along_axis(cand, arg[:, None, :], axis=1)[:, 0, :]
+            f = cand.min(axis=1)
         return f[:, -1], choice
 
     def min_max(self) -> float:
@@ -80,7 +76,7 @@ class _SplitSearch:
         h = np.full(self.width, np.inf)
         h[0] = 0.0
         for s in range(self.num_stages):
-            h = np.maximum(h[:, None], self._band(s)).min(axis=0)
+            h = np.maximum(h[:, None], self.times[s]).min(axis=0)
         return float(h[-1])
 
     def split(self, choice: np.ndarray, k: int) -> list[tuple[int, int]]:
@@ -94,7 +90,7 @@ class _SplitSearch:
         return ranges[::-1]
 
     def stage_times(self, ranges: list[tuple[int, int]]) -> np.ndarray:
-        return np.array([self.times[s, i, j] for s, (i, j) in enumerate(ranges)])
+        return np.array([self.times[s, i - s, j - s - 1] for s, (i, j) in enumerate(ranges)])
 
     def best_split(self, microbatches: int) -> list[tuple[int, int]] | None:
         """The split minimising ``sum + (m - 1) * max``, or ``None`` if no split is allowed."""
@@ -140,6 +136,11 @@ def generate_template(cost: CostModel, num_nodes: int, microbatches: int) -> Pip
     Raises :class:`InfeasibleTemplateError` when the nodes have more devices than the model has layers,
     or when no split fits the device memory.
     """
+    return with_fits(cost, [_best_template(cost, num_nodes, microbatches)])[0]
+
+
+def _best_template(cost: CostModel, num_nodes: int, microbatches: int) -> PipelineTemplate:
+    """:func:`generate_template` without its schedule's fit."""
     g, t = cost.stages_per_node, cost.tensor_parallel
     num_stages = num_nodes * g
     if num_nodes < 1 or num_stages > cost.num_layers:
@@ -148,8 +149,8 @@ def generate_template(cost: CostModel, num_nodes: int, microbatches: int) -> Pip
             f"a {num_nodes}-node template needs {num_stages} stages ({per}) but the model has "
             f"{cost.num_layers} layers; use pipelines of at most {cost.num_layers // g} nodes"
         )
-    times, memory, recompute = cost.stage_choices(num_stages)
-    ranges = _SplitSearch(times).best_split(microbatches)
+    choices = cost.stage_choices(num_stages)
+    ranges = _SplitSearch(choices.times).best_split(microbatches)
     if ranges is None:
         raise InfeasibleTemplateError(
             f"the model does not fit in {num_nodes} node(s) of {cost.cluster.gpus_per_node} GPU(s) with "
@@ -157,21 +158,21 @@ def generate_template(cost: CostModel, num_nodes: int, microbatches: int) -> Pip
             + (f" at tensor parallelism {t}" if t > 1 else "")
             + "; use more nodes per pipeline"
         )
+    chosen = [choices.at(s, i, j) for s, (i, j) in enumerate(ranges)]
     stages = tuple(
-        Stage(i, j, node=s // g, device=(s % g) * t, recompute=bool(recompute[s, i, j]))
-        for s, (i, j) in enumerate(ranges)
+        Stage(i, j, node=s // g, device=(s % g) * t, recompute=recompute)
+        for s, ((i, j), (_, _, recompute)) in enumerate(zip(ranges, chosen, strict=True))
     )
-    template = PipelineTemplate(
+    return PipelineTemplate(
         num_nodes=num_nodes,
         gpus_per_node=cost.cluster.gpus_per_node,
         stages=stages,
-        stage_times_s=tuple(float(times[s, i, j]) for s, (i, j) in enumerate(ranges)),
-        stage_memory_bytes=tuple(float(memory[s, i, j]) for s, (i, j) in enumerate(ranges)),
+        stage_times_s=tuple(time for time, _, _ in chosen),
+        stage_memory_bytes=tuple(memory for _, memory, _ in chosen),
         microbatches=microbatches,
         tensor_parallel=t,
         stage_tensor_parallel_s=tuple(cost.tensor_parallel_s(i, j) for i, j in ranges) if t > 1 else (),
     )
-    return replace(template, schedule_fit_s=cost.schedule_fit_s(template))
 
 
 def is_feasible(cost: CostModel, num_nodes: int) -> bool:
@@ -185,5 +186,12 @@ def is_feasible(cost: CostModel, num_nodes: int) -> bool:
 def generate_templates(
     cost: CostModel, sizes: Iterable[int], microbatches: dict[int, int]
 ) -> tuple[PipelineTemplate, ...]:
-    """One template per size, each optimised for ``microbatches[size]`` micro-batches."""
-    return tuple(generate_template(cost, n, microbatches[n]) for n in sizes)
+    """One template per size, each optimised for ``microbatches[size]`` micro-batches, with its schedule's
+    fit (:meth:`CostModel.schedule_fits_s`)."""
+    return with_fits(cost, [_best_template(cost, n, microbatches[n]) for n in sizes])
+
+
+def with_fits(cost: CostModel, templates: Sequence[PipelineTemplate]) -> tuple[PipelineTemplate, ...]:
+    """``templates`` with their schedule's fit, simulated together."""
+    fits = cost.schedule_fits_s(templates)
+    return tuple(replace(t, schedule_fit_s=f) for t, f in zip(templates, fits, strict=True))

@@ -64,6 +64,11 @@ def trainer(devices: int, strategy: OobleckStrategy, **kwargs: object) -> L.Trai
             {"activation_checkpointing": "auto", "layout": [[0, 6]]},
             "'auto' lets the planner choose where to recompute; with a fixed layout or plan_path give true",
         ),
+        ({"schedule": "gpipe"}, "schedule must be one of 1f1b, zb-h1 or 'auto', got 'gpipe'"),
+        (
+            {"schedule": "auto", "layout": [[0, 6]]},
+            "schedule='auto' lets the planner choose; with a fixed layout name the schedule: 1f1b or zb-h1",
+        ),
         (
             {"heartbeat_timeout_s": 60, "collective_timeout_s": 30},
             r"the timeouts must rise: 0 < heartbeat_timeout_s \(60\) < collective_timeout_s \(30\)",

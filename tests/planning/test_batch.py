@@ -11,6 +11,7 @@ from lightning_oobleck.planning.batch import (
     BatchError,
     distribute_microbatches,
     min_slowest_time,
+    min_slowest_times,
     num_microbatches,
 )
 from lightning_oobleck.planning.plan import PipelineTemplate, Stage
@@ -59,6 +60,21 @@ def test_grouped_kinds_equal_expanded_pipelines() -> None:
     sums = np.array([sum(t.stage_times_s) for t in kinds])
     maxes = np.array([max(t.stage_times_s) for t in kinds])
     assert min_slowest_time(sums, maxes, multiplicity, 40) == pytest.approx(expected)
+
+
+def test_multisets_evaluated_together_equal_each_alone() -> None:
+    """Instantiation prices every candidate multiset in one call: each row as if it were alone (kinds a row
+    does not use change nothing)."""
+    rng = np.random.default_rng(11)
+    kinds = [_template(rng) for _ in range(5)]
+    sums = np.array([sum(t.stage_times_s) for t in kinds])
+    maxes = np.array([max(t.stage_times_s) for t in kinds])
+    rows = rng.integers(0, 4, (40, 5))
+    rows[:, 2] = np.maximum(rows[:, 2], 1)
+    together = min_slowest_times(sums, maxes, rows, 60)
+    for row, time in zip(rows, together, strict=True):
+        used = row > 0
+        assert time == min_slowest_time(sums[used], maxes[used], row[used], 60)
 
 
 def test_bad_batches_are_clear_errors() -> None:

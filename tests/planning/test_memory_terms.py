@@ -66,4 +66,4 @@ def test_a_stage_with_fewer_activation_bytes_than_parameter_bytes_is_charged_the
     cost = CostModel(profile, ClusterSpec())
     state = 1000 * cost.state_factor
     assert cost.stage_memory_bytes(0, 1, 0, 1) == state + 1000 * OPTIMIZER_STEP_TEMPORARIES
-    assert cost.stage_memory_matrices(1)[0, 0, 1] == cost.stage_memory_bytes(0, 1, 0, 1)
+    assert cost.stage_choices(1).at(0, 0, 1)[1] == cost.stage_memory_bytes(0, 1, 0, 1)

@@ -126,3 +126,34 @@ def test_zero_bubble_plan_is_costed_by_simulating_its_schedule() -> None:
     assert loaded == plan and loaded.templates[0].schedule_fit_s == plan.templates[0].schedule_fit_s
     shrunk = after_failures(plan, [plan.nodes[0]]).plan
     assert shrunk.schedule == "zb-h1" and shrunk.templates[0].schedule_fit_s is not None
+
+
+@pytest.mark.parametrize(("nodes", "chosen"), [(16, "zb-h1"), (8, "1f1b")])
+def test_schedule_auto_keeps_the_faster_predicted_plan(nodes: int, chosen: str) -> None:
+    """On 16 nodes of 16 GB both schedules plan and ZB-H1 predicts the shorter step; on 8, ZB-H1's
+    ``min(S, m)`` micro-batches on every stage need pipelines of 6 nodes, too long for f = 1, and 1F1B plans."""
+    profile = synthetic_gpt_profile(24, 2048, 2048, 1)
+    cluster = ClusterSpec(nodes, 1, device_memory_bytes=16e9)
+    args = {"fault_tolerance": 1, "global_batch_size": 64}
+    plan = make_plan(profile, cluster, schedule="auto", **args)
+    alone = {}
+    for name in ("1f1b", "zb-h1"):
+        try:
+            alone[name] = make_plan(profile, cluster, schedule=name, **args).iteration_time_s
+        except PlanningError as err:
+            alone[name] = str(err)
+    assert plan.schedule == chosen and plan.iteration_time_s == alone[chosen]
+    assert plan.iteration_time_s == min(t for t in alone.values() if isinstance(t, float))
+    recorded = {
+        c["schedule"]: c.get("iteration_time_s", c.get("infeasible")) for c in plan.extra["schedule_choices"]
+    }
+    assert recorded == alone
+    assert after_failures(plan, [plan.nodes[-1]]).plan.schedule == chosen  # replans keep the choice
+
+
+def test_schedule_auto_without_weight_gradient_times_plans_1f1b_and_says_why() -> None:
+    profile = synthetic_gpt_profile(24, microbatch_size=4)
+    untimed = replace(profile, layers=tuple(replace(layer, weight_grad_s=None) for layer in profile.layers))
+    plan = make_plan(untimed, ClusterSpec(13, 1), fault_tolerance=2, global_batch_size=512, schedule="auto")
+    assert plan.schedule == "1f1b"
+    assert any("no weight-gradient times" in w for w in plan.warnings)

@@ -38,18 +38,21 @@ def test_profile_errors_name_the_fix(tmp_path) -> None:
         ModelProfile.load(tmp_path / "bad.json")
 
 
-def test_matrices_equal_the_scalar_formulas() -> None:
+def test_bands_equal_the_scalar_formulas() -> None:
     rng = np.random.default_rng(3)
     cost = random_cost(rng, 7, gpus=2)
     stages = 4
-    times = cost.stage_time_matrices(stages)
-    memory = cost.stage_memory_matrices(stages)
+    choices = cost.stage_choices(stages)
+    assert choices.times.shape == (stages, 4, 4)  # 7 - 4 + 1 ranges start and end where stage s may
     for s in range(stages):
-        for i in range(s, 7):  # stage s starts at layer s or later: earlier stages hold a layer each
-            for j in range(i + 1, 8):
-                assert times[s, i, j] == pytest.approx(cost.stage_time_s(i, j, s, stages))
-                assert memory[s, i, j] == pytest.approx(cost.stage_memory_bytes(i, j, s, stages))
-            assert np.isinf(times[s, i, : i + 1]).all()
+        # stage s starts at layer s or later and leaves a layer to each stage after it
+        for i in range(s, s + 4):
+            for j in range(i + 1, s + 5):
+                time, memory, _ = choices.at(s, i, j)
+                assert memory == pytest.approx(cost.stage_memory_bytes(i, j, s, stages))
+                fits = memory <= cost.cluster.device_memory_bytes
+                assert time == (pytest.approx(cost.stage_time_s(i, j, s, stages)) if fits else np.inf)
+            assert np.isinf(choices.times[s, i - s, : i - s]).all()  # empty ranges
 
 
 def test_links_inside_a_node_are_cheaper_and_stage_times_use_them() -> None:

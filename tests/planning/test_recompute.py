@@ -60,8 +60,8 @@ def test_a_recomputing_stage_costs_one_more_forward() -> None:
     cost = CostModel(synthetic_gpt_profile(8), ClusterSpec(2, 2), activation_checkpointing=True)
     plain = CostModel(synthetic_gpt_profile(8), ClusterSpec(2, 2))
     forward = sum(layer.forward_s for layer in cost.profile.layers[2:5])
-    assert cost.stage_choices(4).times[1, 2, 5] == pytest.approx(
-        plain.stage_choices(4).times[1, 2, 5] + forward
+    assert cost.stage_choices(4).at(1, 2, 5)[0] == pytest.approx(
+        plain.stage_choices(4).at(1, 2, 5)[0] + forward
     )
 
 
@@ -84,10 +84,8 @@ def test_the_memory_a_stage_keeps_per_micro_batch_is_what_the_cost_model_predict
     x = torch.randn(512, 64)  # activations of two micro-batches above the optimizer step's temporaries
     profile = profile_layers(layers, x, cpu)
     cost = CostModel(profile, ClusterSpec(1, 4, device_memory_bytes=1e12), activation_checkpointing=recompute)
-    choices = cost.stage_choices(4)
-    # stage 1 keeps 3 micro-batches in flight, stage 2 keeps 2: the difference is one micro-batch's worth
-    predicted = choices.memory[1, 2, 6] - choices.memory[2, 2, 6]
-    assert bool(choices.recompute[1, 2, 6]) is recompute
+    predicted = cost.held_bytes(2, 6, recompute)  # per micro-batch in flight, in every stage's memory
+    assert cost.stage_choices(2).at(1, 2, 6)[2] is recompute
 
     stage = build_stage(layers, range(2, 6), cpu)
     stage.recompute = recompute

@@ -17,6 +17,7 @@ from lightning_oobleck.planning.schedules import (
     iteration_time_s,
     one_f_one_b_order,
     pipeline_actions,
+    pipeline_times_s,
     simulate,
     validate,
 )
@@ -55,6 +56,40 @@ def test_every_generated_list_is_valid_and_runs_each_microbatch_once(
     evaluation = pipeline_actions(spec(stages, microbatches, first), name, train=False)
     validate(evaluation)
     assert all(a.op is not Op.REDUCE for actions in evaluation.values() for a in actions)
+
+
+def simulated_pipeline(
+    name: str, phases: list[tuple[float, float, float]], delays: list[float], m: int
+) -> float:
+    """The event simulation of the pipeline's action lists, as the validator and the benchmarks run it."""
+
+    def duration(worker: tuple[int, int], action: Action) -> float:
+        f, i, w = phases[worker[0]]
+        return {Op.F: f, Op.I: i, Op.W: w, Op.B: i + w}[action.op]
+
+    def transfer(sender: tuple[int, int], receiver: tuple[int, int], action: Action) -> float:
+        return delays[min(sender[0], receiver[0])]
+
+    return iteration_time_s(simulate(pipeline_actions(spec(len(phases), m), name), duration, transfer))
+
+
+pipeline_shapes = st.tuples(
+    st.lists(st.tuples(*[st.floats(0.0, 2.0)] * 3), min_size=1, max_size=9),
+    st.lists(st.floats(0.0, 0.5), min_size=9, max_size=9),
+    st.integers(1, 24),
+)
+
+
+@settings(max_examples=150, deadline=None)
+@given(st.lists(pipeline_shapes, min_size=1, max_size=4), st.sampled_from(SCHEDULE_NAMES))
+def test_simulating_pipelines_together_gives_the_event_simulation_to_the_last_bit(
+    pipelines: list, name: str
+) -> None:
+    """The planner's simulation of many pipelines at once (every stage of every pipeline advancing together)
+    equals simulating each one's action lists alone, exactly: same events, same arithmetic."""
+    shaped = [(phases, delays[: len(phases)], m) for phases, delays, m in pipelines]
+    expected = [simulated_pipeline(name, *p) for p in shaped]
+    assert pipeline_times_s(name, shaped).tolist() == expected
 
 
 def test_1f1b_keeps_the_engine_order() -> None:

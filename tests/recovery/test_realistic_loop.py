@@ -391,16 +391,17 @@ def test_two_nodes_in_a_checkpoint_save_at_once(tmp_path: Path, loop_reference: 
 def test_zero_bubble_schedule_kills_in_an_i_a_w_and_a_reduce(
     tmp_path: Path, loop_reference: dict[str, Any]
 ) -> None:
-    """``schedule="zb-h1"`` (split backward), 6 nodes, 3 pipelines of 2. A last stage (node 1) dies in an
-    ``I`` of step 1; a first stage (node 2) in a ``W`` of step 3; a last stage (node 5) in a ``REDUCE`` of
-    step 6. Same weights, LRs, logged losses, samples and checkpoints as single-process training."""
+    """``schedule="auto"``, which the planner resolves to ZB-H1 (split backward) here: 6 nodes, 3 pipelines of
+    2. A last stage (node 1) dies in an ``I`` of step 1; a first stage (node 2) in a ``W`` of step 3; a last
+    stage (node 5) in a ``REDUCE`` of step 6. Same weights, LRs, logged losses, samples and checkpoints as
+    single-process training."""
     faults = {
         (1, 1): Fault(signal.SIGKILL, INPUT_GRAD),
         (2, 3): Fault(signal.SIGKILL, WEIGHT_GRAD),
         (5, 6): Fault(signal.SIGKILL, REDUCE),
     }
-    assert planned(6, schedule="zb-h1").schedule == "zb-h1"
-    trainer = fit_loop(tmp_path, LoopFaults(tmp_path, faults), 6, schedule="zb-h1")
+    assert planned(6, schedule="auto").schedule == "zb-h1"
+    trainer = fit_loop(tmp_path, LoopFaults(tmp_path, faults), 6, schedule="auto")
     check_loop(trainer, tmp_path, loop_reference, dead={1, 2, 5}, num_nodes=6)
     # the plans made in the recoveries keep the schedule
     assert {p.read_text() for p in tmp_path.glob("schedule-*")} == {"zb-h1"}
