@@ -31,6 +31,8 @@ from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.parallel import ParallelStyle, parallelize_module
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from lightning_oobleck.execution.stage import Tie, tie_parameters
+
 if TYPE_CHECKING:
     from lightning_oobleck.execution.process_groups import ProcessGroups
 
@@ -49,7 +51,16 @@ def declared_plan(index: int, layer: nn.Module) -> TensorParallelPlan | None:
 
 
 def parallelize_stage(layers: Mapping[int, nn.Module], mesh: DeviceMesh, plans: LayerPlans | None) -> None:
-    """Split every layer of a stage over ``mesh`` (its devices) by its plan, in place."""
+    """Split every layer of a stage over ``mesh`` (its devices) by its plan, in place.
+
+    A parameter the stage's layers share (a tied embedding and head on one stage) stays one parameter: each
+    layer's plan splits its own use, so every use must be split alike (refused by name otherwise), and the
+    uses are made one split parameter again afterwards."""
+    holders: dict[int, list[tuple[int, str]]] = {}
+    for index, layer in layers.items():
+        for name, p in layer.named_parameters(remove_duplicate=False):
+            holders.setdefault(id(p), []).append((index, name))
+    shared = [Tie(tuple(members)) for members in holders.values() if len(members) > 1]
     for index, layer in layers.items():
         plan = plans(index, layer) if plans is not None else None
         if plan is None:
@@ -61,6 +72,20 @@ def parallelize_stage(layers: Mapping[int, nn.Module], mesh: DeviceMesh, plans: 
             )
         if isinstance(plan, ParallelStyle) or plan:
             parallelize_module(layer, mesh, plan if isinstance(plan, ParallelStyle) else dict(plan))
+    for tie in shared:
+        splits = {
+            f"layers.{i}.{name}": p.placements if isinstance(p, DTensor) else "whole"
+            for i, name in tie.members
+            for p in [layers[i].get_parameter(name)]
+        }
+        if len(set(splits.values())) > 1:
+            uses = ", ".join(f"{name} as {split}" for name, split in splits.items())
+            raise ValueError(
+                f"one parameter is used by several layers of a stage, whose tensor-parallel plans split it "
+                f"differently ({uses}): give every use of a tied parameter the same split (e.g. a vocabulary-"
+                "split embedding, RowwiseParallel, with a ColwiseParallel head), or keep all of them whole"
+            )
+    tie_parameters(layers, shared)
 
 
 def local_grad(param: Tensor) -> Tensor | None:

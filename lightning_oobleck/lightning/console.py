@@ -150,6 +150,8 @@ def plan_table(plan: Plan) -> Table:
         title=f"Oobleck plan: {counted(len(plan.pipelines), 'pipeline')}, f={plan.fault_tolerance}, "
         f"global batch {plan.global_batch_size} = {plan.num_microbatches} x {plan.microbatch_size}"
         + (f", each stage on {plan.tensor_parallel} devices" if plan.tensor_parallel > 1 else "")
+        + (f", schedule {plan.schedule}" if plan.schedule != "1f1b" else "")
+        + (f", predicted {plan.iteration_time_s:.3g} s/step" if plan.iteration_time_s > 0 else "")
     )
     for name in ("pipeline", "nodes", "stages: [first, end) layers", "micro-batches", "samples [first, end)"):
         table.add_column(name, justify="left" if name.startswith("stages") else "right")

@@ -422,6 +422,8 @@ class LightningLoop:
             continue_progress_bar(self.trainer)
         pipelines = counted(len(plan.pipelines), "pipeline")
         layout = f"{pipelines} on {len(plan.nodes)} nodes, f={plan.fault_tolerance}"
+        if plan.tensor_parallel > 1:
+            layout += f", each stage on {plan.tensor_parallel} devices"
         copied = ""
         if (speed := event.copy_gb_per_s()) is not None:
             senders = counted(event.copy_senders, "worker")

@@ -61,6 +61,12 @@ class RecoveryEvent:
     """Bytes of layers and optimizer state received by the workers of the new generation, together."""
     copy_senders: int = 0
     """How many workers sent a share of them (every surviving replica of a copied layer)."""
+    tensor_parallel: int | None = None
+    """The devices each stage of the new plan runs on (replans keep the degree the run was planned at)."""
+    schedule: str | None = None
+    """The new plan's pipeline schedule."""
+    predicted_step_s: float | None = None
+    """The new plan's predicted step (the cost model's), against which the measured steps can be read."""
 
     @classmethod
     def from_membership(cls, membership: Membership) -> RecoveryEvent:
@@ -151,6 +157,8 @@ class EventLog:
             metrics["recovery/nodes_joined"] = float(len({node for node, _ in event.added}))
             if event.fault_tolerance is not None:
                 metrics["recovery/fault_tolerance"] = float(event.fault_tolerance)
+            if event.predicted_step_s is not None:
+                metrics["recovery/predicted_step_s"] = event.predicted_step_s
             metrics["recovery/copied_gb"] = event.copied_bytes / 1e9
             if (speed := event.copy_gb_per_s()) is not None:
                 metrics["recovery/copy_gb_per_s"] = speed

@@ -422,8 +422,11 @@ class UnitRunner:
         self.members = membership
         self.procedure.fire(Event.SWITCHED)
         event.mark("resumed")
-        event.fault_tolerance = reconfiguration.plan.fault_tolerance
-        event.warnings = list(reconfiguration.plan.warnings)
+        new_plan = reconfiguration.plan
+        event.fault_tolerance = new_plan.fault_tolerance
+        event.warnings = list(new_plan.warnings)
+        event.tensor_parallel, event.schedule = new_plan.tensor_parallel, new_plan.schedule
+        event.predicted_step_s = new_plan.iteration_time_s
         if event.fault_tolerance > tolerated:
             log.info(
                 "%d node(s) joined: %d pipelines on %d nodes tolerate f=%d failure(s) again (was %d)",

@@ -7,8 +7,12 @@ import exec_workloads as wl
 import pytest
 import torch
 from gpt.model import Block
+from torch import nn
+from torch.distributed.tensor import DTensor
+from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
 
 from lightning_oobleck.execution import profile_layers
+from lightning_oobleck.execution.tensor_parallel import one_rank_of, parallelize_stage
 from lightning_oobleck.planning import ClusterSpec, make_plan
 
 
@@ -71,3 +75,31 @@ def test_a_layer_without_a_plan_keeps_the_model_at_one_device_per_stage_and_is_n
     )
     assert plan.tensor_parallel == 1
     assert any("declare no tensor-parallel plan" in w for w in plan.warnings)
+
+
+def tied_pair() -> tuple[nn.Module, nn.Module]:
+    """Two layers sharing one weight, as an embedding and a head do."""
+    first, second = nn.Sequential(nn.Linear(4, 6, bias=False)), nn.Sequential(nn.Linear(4, 6, bias=False))
+    second[0].weight = first[0].weight
+    return first, second
+
+
+def test_a_parameter_two_layers_of_a_stage_share_stays_one_split_parameter() -> None:
+    first, second = tied_pair()
+    with one_rank_of(2, "cpu") as mesh:
+        parallelize_stage({0: first, 1: second}, mesh, lambda index, layer: {"0": ColwiseParallel()})
+        assert isinstance(first[0].weight, DTensor) and first[0].weight is second[0].weight
+
+
+def test_a_parameter_two_layers_of_a_stage_split_differently_is_refused_by_name() -> None:
+    first, second = tied_pair()
+    plans = {0: {"0": ColwiseParallel()}, 1: {"0": RowwiseParallel()}}
+    with (
+        one_rank_of(2, "cpu") as mesh,
+        pytest.raises(
+            ValueError,
+            match=r"layers.0.0.weight as \(Shard\(dim=0\),\), layers.1.0.weight as \(Shard\(dim=1\),\)\): give "
+            "every use of a tied parameter the same split",
+        ),
+    ):
+        parallelize_stage({0: first, 1: second}, mesh, lambda index, layer: plans[index])

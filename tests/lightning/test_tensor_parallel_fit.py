@@ -7,6 +7,7 @@ tensor-parallel degrees: written at 2, resumed at 1, and the other way, to the u
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import lightning as L
 import pytest
@@ -28,7 +29,7 @@ class SplitRegressor(Regressor):
 
 
 def fit(
-    steps: int, tensor_parallel: int, devices: int, ckpt_path: Path | None = None
+    steps: int, tensor_parallel: int, devices: int, ckpt_path: Path | None = None, **options: Any
 ) -> dict[str, torch.Tensor]:
     module = SplitRegressor()
     strategy = OobleckStrategy(
@@ -37,6 +38,7 @@ def fit(
         devices_per_node=2,
         tensor_parallel=tensor_parallel,
         planner={"cluster": {"device_memory_bytes": 60_000}},
+        **options,
     )
     trainer = L.Trainer(strategy=strategy, devices=devices, max_steps=steps, precision="64-true")
     trainer.fit(module, data(), data(seed=1, workers=0), ckpt_path=ckpt_path)
@@ -71,3 +73,15 @@ def test_a_split_run_trains_as_one_device_and_resumes_across_degrees(
     assert_same_weights(resumed_whole, uninterrupted)
     resumed_split = fit(8, tensor_parallel=2, devices=4, ckpt_path=whole_checkpoint)
     assert_same_weights(resumed_split, uninterrupted)
+
+
+@pytest.mark.timeout(300)
+def test_the_zero_bubble_schedule_over_split_stages_trains_as_one_device(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """ZB-H1 splits each backward into the input's gradient and the weights': at t = 2, on a pipeline of two
+    stages each split over a node's two devices, both run on split layers (the input's gradient crossing the
+    boundary from each device to its counterpart), each device's weight gradient its own shard."""
+    monkeypatch.chdir(tmp_path)
+    zero_bubble = fit(4, tensor_parallel=2, devices=4, schedule="zb-h1", layout=[[0, 2, 4]])
+    assert_same_weights(zero_bubble, fit(4, tensor_parallel=1, devices=2))

@@ -19,6 +19,8 @@ from lightning.pytorch.callbacks import ModelCheckpoint
 from pipeline_testing import GLOBAL_BATCH, QUIET, layout_strategy
 from torch import Tensor, nn
 from torch.distributed.checkpoint import FileSystemReader
+from torch.distributed.tensor import Replicate
+from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
 from torch.nn import functional as F
 from torch.utils.data import DataLoader, TensorDataset
 
@@ -189,6 +191,47 @@ def test_a_checkpoint_holds_the_tie_once_and_resumes_on_another_layout(
     weights = model.state_dict()
     for key, expected in ref_weights.items():
         torch.testing.assert_close(weights[key], expected, rtol=0, atol=1e-10, msg=key)
+
+
+class SplitTiedLM(TiedLM):
+    """The tied model with its vocabulary split over a stage's devices: the embedding by rows (each device
+    looks up its part of the vocabulary, the stage sums), the head by columns (each device scores its part,
+    gathered): both split the one weight by its first dimension. The blocks stay whole."""
+
+    def tensor_parallel_plan(self, index: int, layer: nn.Module) -> dict:
+        if isinstance(layer, Embed):
+            return {"wte": RowwiseParallel(input_layouts=Replicate())}
+        if isinstance(layer, Head):
+            return {"lm": ColwiseParallel(output_layouts=Replicate())}
+        return {}
+
+
+SPLIT_LAYOUTS = {
+    # 2 nodes of 2 processes, each stage on both: the embedding and the head on one stage of each of two
+    # pipelines (one parameter split once per stage), or on the two stages of one pipeline
+    "both uses on one stage": ([[0, 4], [0, 4]], [2, 2]),
+    "one use per stage": ([[0, 2, 4]], [4]),  # one pipeline: f = 0
+}
+
+
+@pytest.mark.timeout(200)
+@pytest.mark.parametrize("name", list(SPLIT_LAYOUTS))
+def test_a_tied_embedding_and_head_split_over_a_stage_train_as_on_one_process(
+    name: str, reference: tuple, tmp_path: Path
+) -> None:
+    ref_weights, _ = reference
+    model = SplitTiedLM()
+    layout, microbatches = SPLIT_LAYOUTS[name]
+    split = layout_strategy(
+        layout, microbatches, SEED, tensor_parallel=2, devices_per_node=2, fault_tolerance=len(layout) - 1
+    )
+    trainer = L.Trainer(devices=4, strategy=split, **(kwargs(tmp_path) | {"callbacks": []}))
+    trainer.fit(model, loader())
+    weights = model.state_dict()
+    assert weights.keys() == ref_weights.keys()
+    for key, expected in ref_weights.items():
+        torch.testing.assert_close(weights[key], expected, rtol=0, atol=1e-10, msg=key)
+    assert model.layers["0"].wte.weight is model.layers["3"].lm.weight
 
 
 class EmbeddingGroupLM(TiedLM):

@@ -21,6 +21,7 @@ first stage        mid-copy in the recovery from it (SIGKILL)   middle_stage_...
 first stage        gradient sync (SIGKILL)                      middle_stage_...
 whole node of 2    gradient sync (SIGKILL of one process)       whole_nodes_...
 whole node of 2    backward (SIGSTOP of one process)            whole_nodes_...
+2 split stages     forward, t = 2, f = 2 at once (SIGKILL)      two_nodes_of_split_...
 =================  ===========================================  ============================
 """
 
@@ -177,17 +178,18 @@ def planned(num_nodes: int, devices_per_node: int = 1, schedule: str = "1f1b") -
     )
 
 
-def planned_split(num_nodes: int) -> Plan:
+def planned_split(num_nodes: int, fault_tolerance: int = 1, device_memory_bytes: int = 10_000) -> Plan:
     """Nodes of 2 processes, each stage split over both (tensor parallelism 2), f = 1: half a device's worth
-    of each layer per device, three layers per stage at most (n0 = 2): two pipelines of 2 nodes on 4."""
+    of each layer per device, three layers per stage at most (n0 = 2): two pipelines of 2 nodes on 4. With
+    twice the memory a stage holds all six layers (n0 = 1)."""
     whole = tuple(LayerProfile(1e-3, 2e-3, 1000, 100, 100, weight_grad_s=1e-3) for _ in range(6))
     split = tuple(
         LayerProfile(5e-4, 1e-3, 500, 100, 50, 5e-4, tensor_parallel_forward_bytes=(100,)) for _ in range(6)
     )
     return make_plan(
         ModelProfile(whole, microbatch_size=MICRO, sharded={2: split}),
-        ClusterSpec(num_nodes=num_nodes, gpus_per_node=2, device_memory_bytes=10_000),
-        fault_tolerance=1,
+        ClusterSpec(num_nodes=num_nodes, gpus_per_node=2, device_memory_bytes=device_memory_bytes),
+        fault_tolerance=fault_tolerance,
         global_batch_size=GLOBAL_BATCH,
         tensor_parallel=2,
     )
@@ -354,3 +356,21 @@ def test_a_stage_split_over_two_processes_loses_global_rank_0(
     _, recoveries = read_events(tmp_path / EVENTS_FILE)
     assert [sorted(map(tuple, e.removed)) for e in recoveries] == [[(0, 0), (0, 1)]]
     assert recoveries[0].copied_bytes > 0
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.slow
+def test_two_nodes_of_split_stages_at_once(tmp_path: Path, reference: dict[str, torch.Tensor]) -> None:
+    """Tensor parallelism 2, f = 2: 4 nodes of 2 processes, each node a pipeline of one stage split over its
+    two devices. Global rank 0 (node 0) and device 1 of node 2 are SIGKILLed together mid-step 1: both
+    nodes are out, their other processes fenced, and the two survivors train on with every layer."""
+    plan = planned_split(4, fault_tolerance=2, device_memory_bytes=20_000)
+    assert plan.fault_tolerance == 2 and len(plan.pipelines) >= 3 and plan.tensor_parallel == 2
+    kill = {0: Fault(signal.SIGKILL, FORWARD, device=0), 2: Fault(signal.SIGKILL, FORWARD, device=1)}
+    faults = {(node, 1): fault for node, fault in kill.items()}
+    trainer = fit_with_faults(tmp_path, faults, num_nodes=4, devices_per_node=2, plan=plan)
+    check(trainer, tmp_path, reference, dead={0, 2}, num_nodes=4, devices_per_node=2)
+    _, recoveries = read_events(tmp_path / EVENTS_FILE)
+    assert sorted(w for e in recoveries for w in map(tuple, e.removed)) == [(0, 0), (0, 1), (2, 0), (2, 1)]
+    # each event says what the new plan is: still split over both devices of a node, and its predicted step
+    assert all(e.tensor_parallel == 2 and e.predicted_step_s for e in recoveries)

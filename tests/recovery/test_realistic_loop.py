@@ -405,3 +405,5 @@ def test_zero_bubble_schedule_kills_in_an_i_a_w_and_a_reduce(
     check_loop(trainer, tmp_path, loop_reference, dead={1, 2, 5}, num_nodes=6)
     # the plans made in the recoveries keep the schedule
     assert {p.read_text() for p in tmp_path.glob("schedule-*")} == {"zb-h1"}
+    _, recoveries = read_events(tmp_path / "logs" / "version_0" / EVENTS_FILE)
+    assert recoveries and {e.schedule for e in recoveries} == {"zb-h1"}
