@@ -17,7 +17,10 @@ is summed shard by shard) costs nothing.
 pipeline of 2 stages, each on 1 device (t = 1) or on the 2 devices of a node (t = 2), of emulated layers
 (:class:`~lightning_oobleck.testing.EmulatedSplitLayer`: sleeps that halve at t = 2, and the real gloo
 all-reduces of a Megatron pair), trained through the engine; the prediction is the cost model's 1F1B step
-from the same times, with the all-reduce and the point-to-point send timed first between two processes.
+from the same times, with the all-reduce and the point-to-point send timed first between two processes. The
+layers are split twice over: by hand (their two all-reduces run as torch's functional collectives, nothing
+else added: the cost model's terms alone) and through DTensor (as a model's layers are, its host work per
+split product included).
 
 The cluster is an H100 SXM node as docs/benchmarks.md gives it: 8 GPUs, 68 GB of tensors per device (80 GB
 less the allocator's share measured on an H200), 400 TFLOP/s achieved in bf16, 360 GB/s all-reduce bus
@@ -28,6 +31,7 @@ stage would not fit otherwise (``activation_checkpointing="auto"``).
 from __future__ import annotations
 
 import argparse
+import functools
 import statistics
 import time
 from dataclasses import dataclass, replace
@@ -40,6 +44,7 @@ from rich.console import Console
 from rich.table import Table
 from schedules import spawn  # benchmarks/schedules.py: run workers in processes, gather their results
 from torch.distributed import TCPStore
+from torch.distributed import _functional_collectives as funcol
 
 from lightning_oobleck.execution import PipelineEngine, ProcessGroups, profile_layers
 from lightning_oobleck.planning import ClusterSpec, Plan, make_plan, synthetic_gpt_profile
@@ -136,14 +141,15 @@ TIMES = DeviceTimes(0.01, 0.01, 0.01)
 """Per layer, one device: a stage of 4 layers takes 40 ms forward; its all-reduces carry 256 KiB."""
 
 
-def emulated_layers() -> list[torch.nn.Module]:
-    return [EmulatedSplitLayer(WIDTH, TIMES) for _ in range(LAYERS)]
+def emulated_layers(dtensor: bool = True) -> list[torch.nn.Module]:
+    return [EmulatedSplitLayer(WIDTH, TIMES, dtensor=dtensor) for _ in range(LAYERS)]
 
 
-def emulated_plan(t: int) -> Plan:
-    """One pipeline of 2 stages (layers 0-3, 4-7) on 2 nodes of ``t`` devices, each stage on all ``t``."""
+def emulated_plan(t: int, stages: int) -> Plan:
+    """One pipeline of ``stages`` stages (1: layers 0-7; 2: layers 0-3, 4-7) on nodes of ``t`` devices, each
+    stage on all ``t``."""
     return layout_plan(
-        [[0, LAYERS // 2, LAYERS]],
+        [list(range(0, LAYERS + 1, LAYERS // stages))],
         LAYERS,
         gpus_per_node=t,
         fault_tolerance=0,
@@ -156,10 +162,13 @@ def emulated_plan(t: int) -> Plan:
 def emulated_worker(index: int, port: int, job: dict[str, Any], out: Any) -> None:
     torch.set_num_threads(1)
     store = TCPStore("127.0.0.1", port, is_master=False, timeout=timedelta(seconds=120))
-    plan = emulated_plan(job["t"])
+    plan = emulated_plan(job["t"], job["stages"])
     groups = ProcessGroups(plan, plan.workers[index], store, 0)
     engine = PipelineEngine(
-        emulated_layers, lambda y, target: ((y - target) ** 2).mean(), groups, torch.device("cpu")
+        functools.partial(emulated_layers, job["dtensor"]),
+        lambda y, target: ((y - target) ** 2).mean(),
+        groups,
+        torch.device("cpu"),
     )
     inputs = torch.randn(plan.global_batch_size, SEQ, WIDTH)
     times = []
@@ -200,10 +209,10 @@ def link_worker(index: int, port: int, job: dict[str, Any], out: Any) -> None:
         send_s = (time.perf_counter() - start) / (2 * job["repeats"])
     dist.barrier()
     for _ in range(5):
-        dist.all_reduce(message, group=pair)
+        funcol.wait_tensor(funcol.all_reduce(message, "sum", pair))
     start = time.perf_counter()
-    for _ in range(job["repeats"]):
-        dist.all_reduce(message, group=pair)
+    for _ in range(job["repeats"]):  # as the split layers run it: a functional collective, waited for
+        funcol.wait_tensor(funcol.all_reduce(message, "sum", pair))
     out.put((index, (send_s, (time.perf_counter() - start) / job["repeats"])))
     dist.destroy_process_group()
 
@@ -227,13 +236,15 @@ def configured_profile() -> ModelProfile:
     return replace(whole, sharded={2: split})
 
 
-def predicted_s(profile: ModelProfile, t: int, send_s: float, allreduce_s: float) -> tuple[float, float]:
+def predicted_s(
+    profile: ModelProfile, t: int, stages: int, send_s: float, allreduce_s: float
+) -> tuple[float, float]:
     """The cost model's 1F1B step and its tensor-parallel part, with the links as measured: the all-reduce's
     bus bandwidth from its time (a 2-device ring moves the bytes once each way), the sends' latency."""
     nbytes = MICRO * SEQ * WIDTH * 4
     profile = profile.at(t)
     cluster = ClusterSpec(
-        num_nodes=2,
+        num_nodes=stages,
         gpus_per_node=t,
         inter_node_latency_s=send_s,
         inter_node_bandwidth=1e15,
@@ -241,7 +252,7 @@ def predicted_s(profile: ModelProfile, t: int, send_s: float, allreduce_s: float
         tensor_parallel_bandwidth=nbytes / allreduce_s,
     )
     cost = CostModel(profile, cluster)
-    plan = emulated_plan(t)
+    plan = emulated_plan(t, stages)
     stages = plan.pipelines[0].stages
     times = [cost.stage_time_s(s.first_layer, s.end_layer, k, len(stages)) for k, s in enumerate(stages)]
     tensor = [cost.tensor_parallel_s(s.first_layer, s.end_layer) for s in stages]
@@ -252,28 +263,45 @@ def predicted_s(profile: ModelProfile, t: int, send_s: float, allreduce_s: float
 def emulated(steps: int, console: Console) -> None:
     links = spawn(link_worker, 4, {"repeats": 50})
     send_s, allreduce_s = links[0][0], statistics.median(r[1] for r in links.values())
-    profiles = {
-        "configured": configured_profile(),
-        "profiled": profile_layers(
-            emulated_layers,
-            torch.zeros(MICRO, SEQ, WIDTH),
-            torch.device("cpu"),
-            repeat=5,
-            tensor_parallel=(2,),
-        ),
-    }
     table = Table(
-        title=f"1 pipeline of 2 stages, {MICROBATCHES} micro-batches, emulated layers (gloo, this machine)"
+        title=f"{MICROBATCHES} micro-batches of emulated layers through the engine, t = 2 against t = 1 "
+        "(gloo, this machine)"
     )
-    for name in ("t", "processes", "measured step", "profile", "predicted step", "of which TP all-reduces",
-                 "measured / predicted"):  # fmt: skip
+    for name in ("layers split", "pipeline", "profile", "measured t=1 / t=2", "predicted t=1 / t=2",
+                 "of which TP all-reduces", "measured / predicted at t=2", "speed-up measured / predicted",
+                 "ratio"):  # fmt: skip
         table.add_column(name, justify="right")
-    for t in (1, 2):
-        measured = statistics.median(spawn(emulated_worker, 2 * t, {"t": t, "steps": steps}).values())
-        for name, profile in profiles.items():
-            predicted, tensor = predicted_s(profile, t, send_s, allreduce_s)
-            table.add_row(str(t), str(2 * t), f"{measured * 1e3:.1f} ms", name, f"{predicted * 1e3:.1f} ms",
-                          f"{tensor * 1e3:.1f} ms", f"{measured / predicted:.3f}")  # fmt: skip
+    for dtensor in (False, True):
+        kind = "through DTensor" if dtensor else "by hand"
+        profiles = {
+            "configured": configured_profile(),
+            "profiled": profile_layers(
+                functools.partial(emulated_layers, dtensor),
+                torch.zeros(MICRO, SEQ, WIDTH),
+                torch.device("cpu"),
+                repeat=5,
+                tensor_parallel=(2,),
+            ),
+        }
+        for stages in (1, 2):
+            measured = {}
+            for t in (1, 2):
+                job = {"t": t, "stages": stages, "steps": steps, "dtensor": dtensor}
+                measured[t] = statistics.median(spawn(emulated_worker, stages * t, job).values())
+            for name, profile in profiles.items():
+                predicted = {t: predicted_s(profile, t, stages, send_s, allreduce_s) for t in (1, 2)}
+                speedup = measured[1] / measured[2], predicted[1][0] / predicted[2][0]
+                table.add_row(
+                    kind,
+                    f"{stages} stage{'s' if stages > 1 else ''} ({stages} and {2 * stages} processes)",
+                    name,
+                    f"{measured[1] * 1e3:.0f} / {measured[2] * 1e3:.0f} ms",
+                    f"{predicted[1][0] * 1e3:.0f} / {predicted[2][0] * 1e3:.0f} ms",
+                    f"{predicted[2][1] * 1e3:.1f} ms",
+                    f"{measured[2] / predicted[2][0]:.3f}",
+                    f"{speedup[0]:.2f} / {speedup[1]:.2f}",
+                    f"{speedup[0] / speedup[1]:.3f}",
+                )
     console.print(table)
     console.print(f"links measured: a {MICRO * SEQ * WIDTH * 4 / 2**10:.0f} KiB send {send_s * 1e3:.2f} ms, "
                   f"its all-reduce in each of two pairs at once {allreduce_s * 1e3:.2f} ms")  # fmt: skip

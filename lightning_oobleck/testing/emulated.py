@@ -24,6 +24,9 @@ from typing import Any
 
 import torch
 from torch import Tensor, nn
+from torch.distributed import _functional_collectives as funcol
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle, RowwiseParallel
 
 from lightning_oobleck.planning.profile import DTYPE_BYTES, LayerProfile, ModelProfile
 
@@ -114,14 +117,23 @@ class EmulatedSplitLayer(nn.Module):
     """An emulated layer that splits over a stage's devices as a Megatron pair does: a column-parallel
     product to ``rank`` features, then a row-parallel one back to ``width``, whose all-reduces are real (the
     output's forward, the input's gradient backward); its sleeps are ``times`` divided by the number of
-    devices it is split over (a device computing ``1/t`` of the layer)."""
+    devices it is split over (a device computing ``1/t`` of the layer).
 
-    def __init__(self, width: int, times: DeviceTimes, rank: int = 8) -> None:
+    ``dtensor=True`` splits it through DTensor (``ColwiseParallel`` / ``RowwiseParallel``), as a model's
+    layers are, host work included. ``dtensor=False`` keeps its weights whole and runs the pair's two
+    all-reduces itself (torch's functional collectives on the stage's group): the same messages without
+    DTensor's dispatch, so a measurement sees the sleeps and the collectives alone (its numbers then differ
+    from the layer's at ``t = 1``: only its timing is the model's)."""
+
+    def __init__(self, width: int, times: DeviceTimes, rank: int = 8, dtensor: bool = True) -> None:
         super().__init__()
         self.times = times
+        self.dtensor = dtensor
         self.up = nn.Linear(width, rank, bias=False)
         self.down = nn.Linear(rank, width, bias=False)
         self.bias = nn.Parameter(torch.empty(width))
+        self.group: Any = None
+        """The stage's devices when split by hand (:class:`_StageGroup`)."""
         self.reset_parameters()
 
     def reset_parameters(self) -> None:
@@ -129,14 +141,56 @@ class EmulatedSplitLayer(nn.Module):
         nn.init.normal_(self.down.weight, std=0.1)
         nn.init.normal_(self.bias, std=0.1)
 
-    def tensor_parallel_plan(self) -> dict[str, Any]:
-        from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
-
-        return {"up": ColwiseParallel(), "down": RowwiseParallel()}
+    def tensor_parallel_plan(self) -> Any:
+        return {"up": ColwiseParallel(), "down": RowwiseParallel()} if self.dtensor else _StageGroup()
 
     def forward(self, x: Tensor) -> Tensor:
         weight = self.up.weight
-        t = weight.device_mesh.size() if hasattr(weight, "device_mesh") else 1
+        if self.group is not None:
+            t = torch.distributed.get_world_size(self.group)
+        else:
+            t = weight.device_mesh.size() if hasattr(weight, "device_mesh") else 1
         times = self.times
         x = _Timed.apply(x, times.forward_s / t, times.input_grad_s / t)
-        return x + self.down(self.up(x)) + _Timed.apply(self.bias, 0.0, times.weight_grad_s / t)
+        if self.group is None:
+            product = self.down(self.up(x))
+        else:  # Megatron's f (the input's gradient summed backward) and g (the output summed forward)
+            product = _SumForward.apply(self.down(self.up(_SumBackward.apply(x, self.group))), self.group)
+        return x + product + _Timed.apply(self.bias, 0.0, times.weight_grad_s / t)
+
+
+def _all_reduce(tensor: Tensor, group: Any) -> Tensor:
+    return funcol.wait_tensor(funcol.all_reduce(tensor, "sum", group))
+
+
+class _SumForward(torch.autograd.Function):
+    """The sum over the stage's devices forward, the identity backward."""
+
+    @staticmethod
+    def forward(ctx: Any, x: Tensor, group: Any) -> Tensor:
+        return _all_reduce(x, group)
+
+    @staticmethod
+    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor, None]:
+        return grad, None
+
+
+class _SumBackward(torch.autograd.Function):
+    """The identity forward, the sum of the gradient over the stage's devices backward."""
+
+    @staticmethod
+    def forward(ctx: Any, x: Tensor, group: Any) -> Tensor:
+        ctx.group = group
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor, None]:
+        return _all_reduce(grad.contiguous(), ctx.group), None
+
+
+class _StageGroup(ParallelStyle):
+    """Gives an :class:`EmulatedSplitLayer` split by hand its stage's group, and splits nothing."""
+
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        module.group = device_mesh.get_group()
+        return module

@@ -98,8 +98,8 @@ def test_a_parameter_two_layers_of_a_stage_split_differently_is_refused_by_name(
         one_rank_of(2, "cpu") as mesh,
         pytest.raises(
             ValueError,
-            match=r"layers.0.0.weight as \(Shard\(dim=0\),\), layers.1.0.weight as \(Shard\(dim=1\),\)\): give "
-            "every use of a tied parameter the same split",
+            match=r"layers.0.0.weight as \(Shard\(dim=0\),\), layers.1.0.weight as \(Shard\(dim=1\),\)\): "
+            "give every use of a tied parameter the same split",
         ),
     ):
         parallelize_stage({0: first, 1: second}, mesh, lambda index, layer: plans[index])

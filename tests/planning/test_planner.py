@@ -131,7 +131,7 @@ def test_zero_bubble_plan_is_costed_by_simulating_its_schedule() -> None:
 @pytest.mark.parametrize(("nodes", "chosen"), [(16, "zb-h1"), (8, "1f1b")])
 def test_schedule_auto_keeps_the_faster_predicted_plan(nodes: int, chosen: str) -> None:
     """On 16 nodes of 16 GB both schedules plan and ZB-H1 predicts the shorter step; on 8, ZB-H1's
-    ``min(S, m)`` micro-batches on every stage need pipelines of 6 nodes, too long for f = 1, and 1F1B plans."""
+    ``min(S, m)`` micro-batches on every stage need pipelines of 6 nodes, too long for f = 1: 1F1B plans."""
     profile = synthetic_gpt_profile(24, 2048, 2048, 1)
     cluster = ClusterSpec(nodes, 1, device_memory_bytes=16e9)
     args = {"fault_tolerance": 1, "global_batch_size": 64}
