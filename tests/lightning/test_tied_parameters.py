@@ -1,6 +1,8 @@
 """A token embedding tied to the LM head (the same ``nn.Parameter`` in two layers, as GPT-2 and nanoGPT write
 it) trains under ``strategy="oobleck"`` on 4 real processes exactly as on one process, on layouts that put
-the embedding and the head on different ranks of one pipeline and on one rank of another.
+the embedding and the head on different ranks of one pipeline and on one rank of another; and with each
+stage split over the 2 processes of a node (the vocabulary split: the embedding by rows, the head by
+columns), the uses on one stage or on two.
 
 The tie's gradient on every rank that holds it is the single-process gradient, the sum of both uses; the
 weights stay one tensor (equal on every holder, one entry in the final state); a sharded checkpoint written
@@ -72,6 +74,19 @@ class TiedLM(PipelineModule, L.LightningModule):
         return torch.optim.AdamW(self.parameters(), lr=0.05)
 
 
+class SplitTiedLM(TiedLM):
+    """The tied model with its vocabulary split over a stage's devices: the embedding by rows (each device
+    looks up its part of the vocabulary, the stage sums), the head by columns (each device scores its part,
+    gathered): both split the one weight by its first dimension. The blocks stay whole."""
+
+    def tensor_parallel_plan(self, index: int, layer: nn.Module) -> dict:
+        if isinstance(layer, Embed):
+            return {"wte": RowwiseParallel(input_layouts=Replicate())}
+        if isinstance(layer, Head):
+            return {"lm": ColwiseParallel(output_layouts=Replicate())}
+        return {}
+
+
 class TieGradients(L.Callback):
     """Saves, per rank, the tied weight's gradient of the first step."""
 
@@ -98,8 +113,16 @@ def kwargs(tmp_path: Path, steps: int = STEPS) -> dict:
     return dict(QUIET, precision="64-true", max_steps=steps, callbacks=callbacks, default_root_dir=tmp_path)
 
 
-def strategy(layout: list[list[int]], microbatches: list[int]) -> OobleckStrategy:
-    return layout_strategy(layout, microbatches, SEED)
+def strategy(layout: list[list[int]], microbatches: list[int], tensor_parallel: int = 1) -> OobleckStrategy:
+    """Nodes of ``tensor_parallel`` processes, each stage on all of them; f = 1 with two pipelines or more."""
+    return layout_strategy(
+        layout,
+        microbatches,
+        SEED,
+        tensor_parallel=tensor_parallel,
+        devices_per_node=tensor_parallel,
+        fault_tolerance=min(1, len(layout) - 1),
+    )
 
 
 @pytest.fixture(scope="module")
@@ -121,6 +144,10 @@ LAYOUTS = {
     # pipeline 0 holds both uses on one rank; pipeline 1 has the embedding on rank 1 and the head on rank 3
     "1+3": ([[0, 4], [0, 1, 3, 4]], [1, 3]),
     "2+1+1": ([[0, 2, 4], [0, 4], [0, 4]], [2, 1, 1]),
+    # 2 nodes of 2 processes, each stage on both (its vocabulary split): both uses on one stage of each of two
+    # pipelines (one parameter split once per stage), or one use on each stage of one pipeline
+    "t=2, both uses on one stage": ([[0, 4], [0, 4]], [2, 2], 2),
+    "t=2, one use per stage": ([[0, 2, 4]], [4], 2),
 }
 
 
@@ -130,8 +157,10 @@ def test_a_tied_embedding_and_head_train_as_on_one_process(
     name: str, reference: tuple, tmp_path: Path
 ) -> None:
     ref_weights, ref_grad = reference
-    model = TiedLM()
-    trainer = L.Trainer(devices=4, strategy=strategy(*LAYOUTS[name]), **kwargs(tmp_path))
+    model = SplitTiedLM()
+    split = name.startswith("t=2")
+    no_gradients = {"callbacks": []} if split else {}  # a split gradient is one device's shard
+    trainer = L.Trainer(devices=4, strategy=strategy(*LAYOUTS[name]), **(kwargs(tmp_path) | no_gradients))
     trainer.fit(model, loader())
     weights = model.state_dict()
     assert weights.keys() == ref_weights.keys()
@@ -140,6 +169,8 @@ def test_a_tied_embedding_and_head_train_as_on_one_process(
     assert (
         model.layers["0"].wte.weight is model.layers["3"].lm.weight
     )  # still one tensor in the user's module
+    if split:
+        return
     # the tie's first gradient on every holder is the single-process one: the sum of both uses
     holders = [torch.load(p) for p in sorted(tmp_path.glob("grad*.pt"))]
     grads = [g for held in holders for g in held.values()]
@@ -191,47 +222,6 @@ def test_a_checkpoint_holds_the_tie_once_and_resumes_on_another_layout(
     weights = model.state_dict()
     for key, expected in ref_weights.items():
         torch.testing.assert_close(weights[key], expected, rtol=0, atol=1e-10, msg=key)
-
-
-class SplitTiedLM(TiedLM):
-    """The tied model with its vocabulary split over a stage's devices: the embedding by rows (each device
-    looks up its part of the vocabulary, the stage sums), the head by columns (each device scores its part,
-    gathered): both split the one weight by its first dimension. The blocks stay whole."""
-
-    def tensor_parallel_plan(self, index: int, layer: nn.Module) -> dict:
-        if isinstance(layer, Embed):
-            return {"wte": RowwiseParallel(input_layouts=Replicate())}
-        if isinstance(layer, Head):
-            return {"lm": ColwiseParallel(output_layouts=Replicate())}
-        return {}
-
-
-SPLIT_LAYOUTS = {
-    # 2 nodes of 2 processes, each stage on both: the embedding and the head on one stage of each of two
-    # pipelines (one parameter split once per stage), or on the two stages of one pipeline
-    "both uses on one stage": ([[0, 4], [0, 4]], [2, 2]),
-    "one use per stage": ([[0, 2, 4]], [4]),  # one pipeline: f = 0
-}
-
-
-@pytest.mark.timeout(200)
-@pytest.mark.parametrize("name", list(SPLIT_LAYOUTS))
-def test_a_tied_embedding_and_head_split_over_a_stage_train_as_on_one_process(
-    name: str, reference: tuple, tmp_path: Path
-) -> None:
-    ref_weights, _ = reference
-    model = SplitTiedLM()
-    layout, microbatches = SPLIT_LAYOUTS[name]
-    split = layout_strategy(
-        layout, microbatches, SEED, tensor_parallel=2, devices_per_node=2, fault_tolerance=len(layout) - 1
-    )
-    trainer = L.Trainer(devices=4, strategy=split, **(kwargs(tmp_path) | {"callbacks": []}))
-    trainer.fit(model, loader())
-    weights = model.state_dict()
-    assert weights.keys() == ref_weights.keys()
-    for key, expected in ref_weights.items():
-        torch.testing.assert_close(weights[key], expected, rtol=0, atol=1e-10, msg=key)
-    assert model.layers["0"].wte.weight is model.layers["3"].lm.weight
 
 
 class EmbeddingGroupLM(TiedLM):
