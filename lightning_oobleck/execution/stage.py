@@ -146,11 +146,11 @@ class Tie:
         return f"layers.{layer}.{name}"
 
 
-def find_ties(layers: Sequence[nn.Module]) -> tuple[Tie, ...]:
+def find_ties(layers: Sequence[nn.Module] | Mapping[int, nn.Module]) -> tuple[Tie, ...]:
     """The parameters that more than one layer holds (the same ``nn.Parameter`` object), in order of their
-    first holder."""
+    first holder; a mapping names the layers by their index in the model."""
     holders: dict[int, list[tuple[int, str]]] = {}
-    for i, layer in enumerate(layers):
+    for i, layer in layers.items() if isinstance(layers, Mapping) else enumerate(layers):
         for name, p in layer.named_parameters(remove_duplicate=False):
             holders.setdefault(id(p), []).append((i, name))
     return tuple(Tie(tuple(m)) for m in holders.values() if len({layer for layer, _ in m}) > 1)

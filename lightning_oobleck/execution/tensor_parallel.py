@@ -31,7 +31,7 @@ from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.parallel import ParallelStyle, parallelize_module
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from lightning_oobleck.execution.stage import Tie, tie_parameters
+from lightning_oobleck.execution.stage import find_ties, tie_parameters
 
 if TYPE_CHECKING:
     from lightning_oobleck.execution.process_groups import ProcessGroups
@@ -56,11 +56,7 @@ def parallelize_stage(layers: Mapping[int, nn.Module], mesh: DeviceMesh, plans: 
     A parameter the stage's layers share (a tied embedding and head on one stage) stays one parameter: each
     layer's plan splits its own use, so every use must be split alike (refused by name otherwise), and the
     uses are made one split parameter again afterwards."""
-    holders: dict[int, list[tuple[int, str]]] = {}
-    for index, layer in layers.items():
-        for name, p in layer.named_parameters(remove_duplicate=False):
-            holders.setdefault(id(p), []).append((index, name))
-    shared = [Tie(tuple(members)) for members in holders.values() if len(members) > 1]
+    shared = find_ties(layers)
     for index, layer in layers.items():
         plan = plans(index, layer) if plans is not None else None
         if plan is None:

@@ -77,11 +77,8 @@ class IterationTimeModel:
         """Sync + optimizer time of each template when ``replicas`` pipelines hold every layer."""
         return self._tails[:, replicas - 1]
 
-    def slowest_pipeline_s(self, counts: np.ndarray) -> float:
-        return float(self.slowest_pipelines_s(counts[None, :])[0])
-
     def slowest_pipelines_s(self, counts: np.ndarray) -> np.ndarray:
-        """:meth:`slowest_pipeline_s` of each row of ``counts``."""
+        """The slowest pipeline's time of each row of ``counts`` (the batch distributed optimally)."""
         return min_slowest_times(self.sums, self.maxes, counts, self.num_microbatches)
 
     def __call__(self, counts: np.ndarray) -> float:

@@ -493,10 +493,3 @@ def _orders(
     k = np.arange(len(lane)) - np.repeat(np.cumsum(trailing) - trailing, trailing)
     micro[offset[lane] + 2 * count[lane] + k] = count[lane] - trailing[lane] + k
     return code, micro
-
-
-def pipeline_time_s(
-    schedule: str, phases: Sequence[PhaseTimes], delays: Sequence[float], microbatches: int
-) -> float:
-    """:func:`pipeline_times_s` of one pipeline."""
-    return float(pipeline_times_s(schedule, [(phases, delays, microbatches)])[0])

@@ -12,7 +12,7 @@ from typing import Any
 import lightning as L
 import pytest
 import torch
-from test_user_defaults import Regressor, assert_same_weights, data
+from test_user_defaults import Regressor, assert_same_weights, assert_validate_and_test_equal_one_device, data
 from torch import nn
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
 
@@ -28,11 +28,8 @@ class SplitRegressor(Regressor):
         return {"0": style} if isinstance(layer, nn.Sequential) else {"": style}
 
 
-def fit(
-    steps: int, tensor_parallel: int, devices: int, ckpt_path: Path | None = None, **options: Any
-) -> dict[str, torch.Tensor]:
-    module = SplitRegressor()
-    strategy = OobleckStrategy(
+def split_strategy(tensor_parallel: int, **options: Any) -> OobleckStrategy:
+    return OobleckStrategy(
         microbatch_size=2,
         fault_tolerance=0,
         devices_per_node=2,
@@ -40,6 +37,13 @@ def fit(
         planner={"cluster": {"device_memory_bytes": 60_000}},
         **options,
     )
+
+
+def fit(
+    steps: int, tensor_parallel: int, devices: int, ckpt_path: Path | None = None, **options: Any
+) -> dict[str, torch.Tensor]:
+    module = SplitRegressor()
+    strategy = split_strategy(tensor_parallel, **options)
     trainer = L.Trainer(strategy=strategy, devices=devices, max_steps=steps, precision="64-true")
     trainer.fit(module, data(), data(seed=1, workers=0), ckpt_path=ckpt_path)
     assert trainer.global_step == steps
@@ -85,3 +89,16 @@ def test_the_zero_bubble_schedule_over_split_stages_trains_as_one_device(
     monkeypatch.chdir(tmp_path)
     zero_bubble = fit(4, tensor_parallel=2, devices=4, schedule="zb-h1", layout=[[0, 2, 4]])
     assert_same_weights(zero_bubble, fit(4, tensor_parallel=1, devices=2))
+
+
+@pytest.mark.timeout(300)
+def test_validate_and_test_over_split_stages_equal_one_device(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The other entry points at t = 2, defaults on: ``validate(model, ckpt_path=...)`` on a checkpoint made
+    at t = 2, then ``test()`` with that run's module, equal one device on the consolidated file."""
+    monkeypatch.chdir(tmp_path)
+    fit(4, tensor_parallel=2, devices=4, schedule="auto")  # the strategy's planner chooses the schedule
+    checkpoint = checkpoint_of(tmp_path, 4)
+    trainer = L.Trainer(strategy=split_strategy(2), devices=4, precision="64-true")
+    assert_validate_and_test_equal_one_device(trainer, SplitRegressor, checkpoint, tmp_path)

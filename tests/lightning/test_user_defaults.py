@@ -16,6 +16,7 @@ import re
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import lightning as L
@@ -281,11 +282,19 @@ def test_validate_and_test_equal_one_device_on_the_same_checkpoint(
     checkpoint = tmp_path / "lightning_logs" / "version_0" / "checkpoints" / "epoch=0-step=4.ckpt"
     strategy = OobleckStrategy(microbatch_size=2, planner={"cluster": {"device_memory_bytes": 60_000}})
     trainer = L.Trainer(strategy=strategy, devices=4, precision="64-true")
-    validated = trainer.validate(Regressor(), data(seed=1, workers=0), ckpt_path=checkpoint)
+    assert_validate_and_test_equal_one_device(trainer, Regressor, checkpoint, tmp_path)
+
+
+def assert_validate_and_test_equal_one_device(
+    trainer: L.Trainer, module: Callable[[], L.LightningModule], checkpoint: Path, tmp_path: Path
+) -> None:
+    """``trainer.validate(module(), ckpt_path=checkpoint)``, then ``trainer.test()`` with that run's module,
+    give one device's loss on the consolidated checkpoint."""
+    validated = trainer.validate(module(), data(seed=1, workers=0), ckpt_path=checkpoint)
     tested = trainer.test(dataloaders=data(seed=1, workers=0))
     single = L.Trainer(devices=1, precision="64-true", strategy="auto")
     consolidated = consolidate_checkpoint(checkpoint, tmp_path / "model.ckpt")
-    expected = single.validate(Regressor(), data(seed=1, workers=0), ckpt_path=consolidated)
+    expected = single.validate(module(), data(seed=1, workers=0), ckpt_path=consolidated)
     assert validated[0]["val_loss"] == pytest.approx(expected[0]["val_loss"], rel=0, abs=1e-9)
     assert tested[0]["test_loss"] == pytest.approx(expected[0]["val_loss"], rel=0, abs=1e-9)
 
