@@ -3,6 +3,8 @@
     pip install 'lightning-oobleck[hf]'
     python examples/hf/train.py --model gpt2                          # 4 local CPU processes
     python examples/hf/train.py --model llama --kill-rank 0 --kill-at-step 6   # SIGKILL rank 0: it recovers
+    python examples/hf/train.py --model llama --blocks 1 --devices-per-node 2 --tensor-parallel auto \
+        --device-memory-mb 1.6 --kill-rank 1 --kill-at-step 6   # a block too large for a device: split
 
 The model is built from its config (nothing is downloaded) and cut into ``[embeddings, blocks..., head]``
 by ``causal_lm_layers``: the blocks are the ``transformers`` modules themselves, initialised by the model's
@@ -96,7 +98,14 @@ def main(argv: list[str] | None = None) -> None:
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     parser.add_argument("--model", choices=["gpt2", "llama"], default="gpt2")
+    parser.add_argument("--blocks", type=int, default=4, help="decoder layers")
     parser.add_argument("--devices", type=int, default=4, help="local processes")
+    parser.add_argument("--devices-per-node", type=int, default=1, help="processes a node loses together")
+    parser.add_argument(
+        "--tensor-parallel",
+        default="1",
+        help="devices of a node each stage runs on (its layers split by the model's own plan), or auto",
+    )
     parser.add_argument("--max-steps", type=int, default=20)
     parser.add_argument("--fault-tolerance", type=int, default=1)
     parser.add_argument("--global-batch", type=int, default=16)
@@ -121,6 +130,8 @@ def main(argv: list[str] | None = None) -> None:
     )
 
     strategy = OobleckStrategy(
+        devices_per_node=args.devices_per_node,
+        tensor_parallel="auto" if args.tensor_parallel == "auto" else int(args.tensor_parallel),
         fault_tolerance=args.fault_tolerance,
         global_batch_size=args.global_batch,
         microbatch_size=args.microbatch,
@@ -142,7 +153,7 @@ def main(argv: list[str] | None = None) -> None:
     )
     train = DataLoader(Counting(512, seed=1), batch_size=args.global_batch, shuffle=True)
     val = DataLoader(Counting(64, seed=2), batch_size=args.global_batch)
-    trainer.fit(CausalLM(model_config(args.model)), train, val)
+    trainer.fit(CausalLM(model_config(args.model, args.blocks)), train, val)
     metrics = {k: f"{float(v):.4f}" for k, v in sorted(trainer.callback_metrics.items())}
     if trainer.is_global_zero:
         Console().print(f"done: {trainer.global_step} steps, {metrics}")

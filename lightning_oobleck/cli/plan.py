@@ -180,20 +180,10 @@ def _print(data: dict, plan: Plan, as_json: bool, result: Reconfiguration | None
         f"tensor parallel {plan.tensor_parallel}  iteration {plan.iteration_time_s:.3f} s  "
         f"planned in {plan.planning_s:.3f} s"
     )
-    if choices := plan.extra.get("tensor_parallel_choices"):
-        console.print("tensor parallel, each degree's plan: " + "; ".join(map(_choice, choices)))
-    if choices := plan.extra.get("schedule_choices"):
-        console.print("schedule, each one's plan: " + "; ".join(map(_choice, choices)))
+    for choice in plan.choices():
+        console.print(choice)
     for warning in plan.warnings:
         console.print(f"[yellow]warning:[/yellow] {warning}")
-
-
-def _choice(choice: dict) -> str:
-    """One alternative the planner weighed: a degree ``t=...`` or a schedule, and its plan's step."""
-    name = choice["schedule"] if "schedule" in choice else f"t={choice['tensor_parallel']}"
-    if "infeasible" in choice:
-        return f"{name}: none ({choice['infeasible']})"
-    return f"{name}: {choice['iteration_time_s']:.3f} s"
 
 
 def _templates_table(plan: Plan) -> Table:

@@ -26,6 +26,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch.distributed as dist
 from torch import Tensor, nn
+from torch.distributed._functional_collectives import AsyncCollectiveTensor
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.parallel import ParallelStyle, parallelize_module
@@ -109,14 +110,26 @@ def check_split_for(module: nn.Module, groups: ProcessGroups) -> None:
 
 
 def local(tensor: Tensor) -> Tensor:
-    """The part of ``tensor`` this device holds: a DTensor's local shard (same storage), else the tensor."""
-    return tensor.to_local() if isinstance(tensor, DTensor) else tensor
+    """The part of ``tensor`` this device holds: a DTensor's local shard (same storage), else the tensor. A
+    collective's result not yet read (an ``AsyncCollectiveTensor``: what a split layer's ``to_local()``
+    returns after its all-reduce) is waited for, giving the buffer it wrote (it has no storage of its own)."""
+    held = tensor.to_local() if isinstance(tensor, DTensor) else tensor
+    return held.trigger_wait() if isinstance(held, AsyncCollectiveTensor) else held
 
 
 def like(param: Tensor, value: Tensor) -> Tensor:
-    """``value``, a local tensor, as ``param`` holds its values: a DTensor of ``param``'s placements."""
+    """``value``, a local tensor, as ``param`` holds its values: a DTensor of ``param``'s placements and whole
+    shape (given, not inferred from ``value``: a dimension that does not divide by the devices, such as a
+    vocabulary of 13 over 2, leaves shards of unequal sizes)."""
     if isinstance(param, DTensor):
-        return DTensor.from_local(value, param.device_mesh, param.placements, run_check=False)
+        return DTensor.from_local(
+            value,
+            param.device_mesh,
+            param.placements,
+            run_check=False,
+            shape=param.shape,
+            stride=param.stride(),
+        )
     return value
 
 

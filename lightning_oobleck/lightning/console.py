@@ -145,13 +145,16 @@ def print_start(plan: Plan, events: Path | None, profiles: Path | None) -> None:
 
 
 def plan_table(plan: Plan) -> Table:
-    """The plan as a table: each pipeline's nodes, stages, micro-batches and samples of the global batch."""
+    """The plan as a table: each pipeline's nodes, stages, micro-batches and samples of the global batch;
+    below it, where the planner chose the degree or the schedule, what each alternative would have given."""
     table = Table(
+        caption="\n".join(plan.choices()) or None,
+        caption_justify="left",
         title=f"Oobleck plan: {counted(len(plan.pipelines), 'pipeline')}, f={plan.fault_tolerance}, "
         f"global batch {plan.global_batch_size} = {plan.num_microbatches} x {plan.microbatch_size}"
         + (f", each stage on {plan.tensor_parallel} devices" if plan.tensor_parallel > 1 else "")
         + (f", schedule {plan.schedule}" if plan.schedule != "1f1b" else "")
-        + (f", predicted {plan.iteration_time_s:.3g} s/step" if plan.iteration_time_s > 0 else "")
+        + (f", predicted {plan.iteration_time_s:.3g} s/step" if plan.iteration_time_s > 0 else ""),
     )
     for name in ("pipeline", "nodes", "stages: [first, end) layers", "micro-batches", "samples [first, end)"):
         table.add_column(name, justify="left" if name.startswith("stages") else "right")

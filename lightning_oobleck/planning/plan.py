@@ -289,6 +289,16 @@ class Plan:
         """The workers holding any of ``layers`` (a tie), in rank order (of the ``tensor_rank``-th shard)."""
         return tuple(sorted({w for layer in layers for w in self.layer_owners(layer, tensor_rank)}))
 
+    def choices(self) -> tuple[str, ...]:
+        """Why the plan has its degree and schedule, where the planner chose them (``"auto"``): a line per
+        choice naming each alternative's predicted step, or why it had no plan, e.g. ``tensor parallel: t=1:
+        none (the model ... does not fit ...); t=2: 0.047 s/step``."""
+        lines = []
+        for key, what in (("tensor_parallel_choices", "tensor parallel"), ("schedule_choices", "schedule")):
+            if alternatives := self.extra.get(key):
+                lines.append(f"{what}: " + "; ".join(map(_choice, alternatives)))
+        return tuple(lines)
+
     @staticmethod
     def _stages_of(p: Pipeline, layer: int) -> Iterator[int]:
         for si, s in enumerate(p.stages):
@@ -365,6 +375,14 @@ class Plan:
             raise ValueError(
                 f"{path} is not a plan ({e!r} missing or malformed): write one with `oobleck plan --json`"
             ) from e
+
+
+def _choice(choice: dict[str, Any]) -> str:
+    """One alternative the planner weighed: a degree ``t=...`` or a schedule, and its plan's step."""
+    name = choice["schedule"] if "schedule" in choice else f"t={choice['tensor_parallel']}"
+    if "infeasible" in choice:
+        return f"{name}: none ({choice['infeasible']})"
+    return f"{name}: {choice['iteration_time_s']:.3g} s/step"
 
 
 def _template_to_dict(t: PipelineTemplate) -> dict[str, Any]:

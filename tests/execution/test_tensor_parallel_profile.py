@@ -8,11 +8,11 @@ import pytest
 import torch
 from gpt.model import Block
 from torch import nn
-from torch.distributed.tensor import DTensor
+from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
 
 from lightning_oobleck.execution import profile_layers
-from lightning_oobleck.execution.tensor_parallel import one_rank_of, parallelize_stage
+from lightning_oobleck.execution.tensor_parallel import like, local, one_rank_of, parallelize_stage
 from lightning_oobleck.planning import ClusterSpec, make_plan
 
 
@@ -103,3 +103,12 @@ def test_a_parameter_two_layers_of_a_stage_split_differently_is_refused_by_name(
         ),
     ):
         parallelize_stage({0: first, 1: second}, mesh, lambda index, layer: plans[index])
+
+
+def test_a_shard_of_an_uneven_split_is_rebuilt_at_the_whole_shape() -> None:
+    """A vocabulary of 13 over 2 devices: shards of 7 and 6 rows. A gradient or optimizer state rebuilt from
+    this device's shard (gradient sums, state copies) has the parameter's shape, not twice the shard's."""
+    with one_rank_of(2, "cpu") as mesh:
+        param = distribute_tensor(torch.zeros(13, 8), mesh, [Shard(0)])
+        assert local(param).shape == (7, 8)
+        assert like(param, local(param).clone()).shape == param.shape == (13, 8)

@@ -28,7 +28,10 @@ from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_oobleck import consolidate_checkpoint
 from lightning_oobleck.lightning import GlobalBatchSampler, OobleckStrategy, PipelineModule
+from lightning_oobleck.lightning.callbacks import KillAt
 from lightning_oobleck.lightning.module import meta_layers
+from lightning_oobleck.lightning.units import EVENTS_FILE
+from lightning_oobleck.recovery import read_events
 
 SEED, STEPS, VOCAB, WIDTH, LENGTH = 7, 4, 13, 8, 6
 TIE, HEAD = "layers.0.wte.weight", "layers.3.lm.weight"
@@ -190,6 +193,31 @@ def test_a_tied_embedding_and_head_train_as_on_one_process(
     assert len(grads) >= 3
     for g in grads:
         torch.testing.assert_close(g, ref_grad, rtol=0, atol=1e-12)
+
+
+@pytest.mark.timeout(180)
+@pytest.mark.slow
+def test_a_recovery_at_t2_regroups_the_tie_to_the_weights_of_one_process(
+    reference: tuple, tmp_path: Path
+) -> None:
+    """3 nodes of 2 processes, every stage split over its node: pipeline 0 has the embedding on node 0 and
+    the head on node 1 (one use per stage), pipeline 1 both uses on node 2. A process of node 1 is
+    SIGKILLed at step 2: node 1's shards of the head and the second block come from node 2's replica to
+    node 0 (the two uses onto one stage, split alike) and the tie's gradient is summed over its new holders:
+    the uninterrupted run's weights."""
+    ref_weights, _ = reference
+    model = SplitTiedLM()
+    model.example_input_array = data().tensors[0][:1]  # profiled, so that the layout has templates to recover
+    options = {**kwargs(tmp_path), "callbacks": [KillAt(3, 2)]}
+    trainer = L.Trainer(devices=6, strategy=strategy([[0, 2, 4], [0, 4]], [2, 2], 2), **options)
+    trainer.fit(model, loader())
+    assert trainer.global_step == STEPS
+    weights = model.state_dict()
+    for key, expected in ref_weights.items():
+        torch.testing.assert_close(weights[key], expected, rtol=0, atol=1e-10, msg=key)
+    [recovery] = read_events(tmp_path / EVENTS_FILE)[1]
+    assert recovery.removed == [[1, 0], [1, 1]] and recovery.tensor_parallel == 2
+    assert recovery.copied_bytes > 0 and recovery.copy_senders == 2  # node 2's two devices, a shard each
 
 
 def test_the_tie_gradient_is_the_sum_of_both_uses(reference: tuple) -> None:
