@@ -47,7 +47,7 @@ from lightning_oobleck.planning import ClusterSpec, make_plan
 from lightning_oobleck.planning.plan import Plan
 from lightning_oobleck.planning.reconfigure import after_failures
 from lightning_oobleck.recovery import read_events
-from lightning_oobleck.simulation import NodeEvent, PolicyResult, Trace, simulate_oobleck
+from lightning_oobleck.simulation import Costs, NodeEvent, PolicyResult, Trace, simulate_oobleck
 from lightning_oobleck.testing import DeviceTimes, Fault, FaultPoint, arm, emulated_layers, emulated_profile
 
 NODES, LAYERS, WIDTH, GLOBAL_BATCH, MICRO = 6, 6, 16, 24, 2
@@ -249,7 +249,8 @@ def predicted(plan: Plan, kills: list[tuple[int, float]], until: float) -> Polic
     """The simulator's run of ``plan`` to ``until``, losing node ``n`` at ``t`` for each ``(n, t)`` of
     ``kills`` before then."""
     events = tuple(NodeEvent(t, "fail", (node,)) for node, t in kills if t < until)
-    return simulate_oobleck(plan, Trace(NODES, until, events))
+    # the local launcher's supervisor hosts the coordinator and the store, off the training machines
+    return simulate_oobleck(plan, Trace(NODES, until, events), Costs(coordinator_on_first_machine=False))
 
 
 def print_tables(v: Validation, console: Console) -> None:

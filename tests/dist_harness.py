@@ -1,4 +1,4 @@
-"""Helpers for multi-process tests: a pool of worker processes sharing a TCPStore, and hand-made plans.
+"""Helpers for multi-process tests: a pool of worker processes sharing the job's store, and hand-made plans.
 
 A :class:`WorkerPool` starts its processes once (forked from a server that imported torch); tests send
 them picklable tasks ``fn(store, state, *args)`` (``state`` is a dict that lives as long as the
@@ -18,17 +18,20 @@ from datetime import timedelta
 from multiprocessing.connection import Connection
 from typing import Any
 
-from torch.distributed import TCPStore
+import torch.distributed as dist
 
 from lightning_oobleck.lightning.launcher import FORKSERVER_PRELOAD
 from lightning_oobleck.planning.plan import Pipeline, PipelineTemplate, Plan, Stage
+from lightning_oobleck.recovery.keystore import KeyStoreClient, KeyStoreServer
 
 Task = Callable[..., Any]
+SECRET = "the-tests-job"
+"""The secret of the tests' stores (:mod:`~lightning_oobleck.recovery.keystore`)."""
 
 
 def _serve(conn: Connection, port: int, sys_path: list[str]) -> None:
     sys.path[:] = sys_path
-    store = TCPStore("127.0.0.1", port, is_master=False, timeout=timedelta(seconds=60))
+    store = KeyStoreClient("127.0.0.1", port, SECRET, timeout=timedelta(seconds=60))
     state: dict[str, Any] = {}
     while (task := conn.recv()) is not None:
         fn, args = task
@@ -46,7 +49,7 @@ class WorkerPool:
         # one per process and later tests launch Lightning workers from it: preload what they need too.
         ctx = mp.get_context("forkserver")
         ctx.set_forkserver_preload([*FORKSERVER_PRELOAD, "lightning_oobleck.execution"])
-        self.store = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=timedelta(60))
+        self.store = KeyStoreServer(SECRET).start()
         self._conns: list[Connection] = []
         self.procs: list[mp.process.BaseProcess] = []
         for _ in range(size):
@@ -95,9 +98,10 @@ class WorkerPool:
             if proc.is_alive():
                 proc.kill()
                 proc.join(timeout=10)
+        self.store.stop()
 
 
-def set_index(store: TCPStore, state: dict[str, Any], index: int) -> int:
+def set_index(store: dist.Store, state: dict[str, Any], index: int) -> int:
     """A task: the worker's index in the plans the next tasks are given (``state["index"]``)."""
     state["index"] = index
     return index

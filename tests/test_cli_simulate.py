@@ -29,11 +29,16 @@ def test_fixed_removals_in_json_and_a_plot(tmp_path, capsys) -> None:
 
 
 def test_table_with_a_poisson_trace_and_returns(capsys) -> None:
-    args = ["--horizon-h", "24", "--set", "trace.failures_per_node_day=1", "--set", "trace.repair_mean_h=2"]
+    args = ["--horizon-h", "24", "--set", "trace.failures_per_node_day=2", "--set", "trace.repair_mean_h=2"]
     code = main([*JOB, *args])
     out = capsys.readouterr().out
     assert code == 0
     assert "oobleck" in out and "checkpoint-restart" in out and "ms per event" in out
+    # the batch host's machine fails too, and that costs Oobleck a restart: said under the table
+    assert main([*JOB, *args, "--json"]) == 0
+    [oobleck] = [r for r in json.loads(capsys.readouterr().out)["results"] if r["policy"] == "oobleck"]
+    hits = oobleck["coordinator_failures"]
+    assert hits > 0 and f"{hits} failure(s) hit the machine of the coordinator and the store" in out
 
 
 @pytest.mark.parametrize(

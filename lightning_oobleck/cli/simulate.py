@@ -71,6 +71,11 @@ def run(args: argparse.Namespace) -> int:
         f"{plan.fault_tolerance}, iteration {plan.iteration_time_s:.3f} s; {trace.failures} failures in "
         f"{trace.horizon_s / HOUR_S:g} h; simulated in {wall_s:.2f} s ({per_event * 1e3:.1f} ms per event)"
     )
+    if hits := max((r.coordinator_failures for r in results), default=0):
+        console.print(
+            f"{hits} failure(s) hit the machine of the coordinator and the store (SLURM's batch host), which "
+            "the job does not survive yet: oobleck is charged a restart from its last checkpoint for each"
+        )
     return 0
 
 
@@ -85,6 +90,7 @@ def _row(r: PolicyResult) -> dict[str, Any]:
         "lost_h": r.lost_s / HOUR_S,
         "events": r.events,
         "final_pipelines": r.final_pipelines,
+        "coordinator_failures": r.coordinator_failures,
         "replan_s_mean": sum(r.replan_s) / len(r.replan_s) if r.replan_s else 0.0,
         "replan_s_max": max(r.replan_s, default=0.0),
     }

@@ -25,11 +25,11 @@ from dataclasses import dataclass
 from lightning.fabric.plugins.environments import ClusterEnvironment
 from lightning.fabric.utilities.rank_zero import rank_zero_only
 
-from lightning_oobleck.recovery.protocol import NODE_KEY_ENV
+from lightning_oobleck.recovery.protocol import NODE_KEY_ENV, SECRET_ENV
 from lightning_oobleck.worker import Worker
 
 STORE_ADDR_VAR = "OOBLECK_STORE_ADDR"
-"""``host:port`` of the supervisor's TCPStore (set by the local launcher, or by the SLURM batch script)."""
+"""``host:port`` of the job's rendezvous store (set by the local launcher, or by the SLURM batch script)."""
 RANK_VAR = "OOBLECK_RANK"
 WORLD_SIZE_VAR = "OOBLECK_WORLD_SIZE"
 NODE_VAR = "OOBLECK_NODE"
@@ -112,7 +112,7 @@ class OobleckEnvironment(ClusterEnvironment):
 
     @property
     def store_address(self) -> tuple[str, int]:
-        """``(host, port)`` of the supervisor's rendezvous TCPStore."""
+        """``(host, port)`` of the job's rendezvous store (:mod:`~lightning_oobleck.recovery.keystore`)."""
         value = os.environ.get(STORE_ADDR_VAR)
         if not value:
             raise RuntimeError(
@@ -121,6 +121,20 @@ class OobleckEnvironment(ClusterEnvironment):
                 f"the batch host and `export {STORE_ADDR_VAR}=$(hostname):PORT` before `srun`."
             )
         return parse_store_address(value)
+
+    @property
+    def secret(self) -> str:
+        """The job's secret (``OOBLECK_COORDINATOR_SECRET``), which the store and the coordinator ask of every
+        process: made by whatever started the job (the local launcher, the SLURM batch script's
+        ``oobleck-rendezvous`` line) and given to its processes only."""
+        value = os.environ.get(SECRET_ENV)
+        if not value:
+            raise RuntimeError(
+                f"{SECRET_ENV} is not set: the job's store answers only its own processes. Locally "
+                "OobleckLauncher sets it; under SLURM the batch script's `eval $(python -m "
+                "lightning_oobleck.slurm.rendezvous ...)` exports it (or submit with `oobleck submit`)."
+            )
+        return value
 
     @property
     def main_address(self) -> str:

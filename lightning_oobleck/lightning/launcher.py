@@ -3,9 +3,10 @@
 Lightning's launchers make the main process rank 0 (``ddp``) or kill every child when one exits non-zero
 (both ``ddp`` and ``ddp_spawn``). Oobleck keeps training when any worker dies, rank 0 included, so here:
 
-* the calling process is a **supervisor**, never a worker: it hosts the rendezvous ``TCPStore`` server
-  and the :class:`SupervisorService` objects (the recovery coordinator), which therefore outlive every
-  worker;
+* the calling process is a **supervisor**, never a worker: it hosts the job's rendezvous store
+  (:class:`~lightning_oobleck.recovery.keystore.KeyStoreServer`: on the loopback interface, answering only
+  processes that present the job's secret) and the :class:`SupervisorService` objects (the recovery
+  coordinator), which therefore outlive every worker;
 * workers are started with ``forkserver`` (default: forked from a single-threaded server process that
   has imported torch and Lightning once, so starting a worker costs no re-import and never inherits a
   lock held by another thread or an OpenMP pool), ``spawn`` (like ``ddp_spawn``) or ``fork``
@@ -15,7 +16,7 @@ Lightning's launchers make the main process rank 0 (``ddp``) or kill every child
   never runs training code that could crash it;
 * workers are started *before* the store and the services, and wait for their environment on a pipe:
   no supervisor thread exists at a fork (a worker forked while the store's server thread ran was seen
-  to deadlock in its TCPStore client, past the store's own timeout);
+  to deadlock in its store client, past the store's own timeout);
 * a worker's death is reported to the services at once and otherwise left alone; the run succeeds if any
   worker finished, and the supervisor raises :class:`LaunchError` only when none did;
 * with ``replace_failed_after_s``, a dead worker's node is replaced that long after its death: new
@@ -23,8 +24,9 @@ Lightning's launchers make the main process rank 0 (``ddp``) or kill every child
   repaired node would (a replacement that finds the training over exits quietly);
 * workers die with the supervisor (Linux ``PR_SET_PDEATHSIG``) and every wait is bounded.
 
-Worker ``r`` gets ``OOBLECK_STORE_ADDR``, ``OOBLECK_RANK``, ``OOBLECK_WORLD_SIZE``, ``OOBLECK_NODE`` (``r //
-devices_per_node``) and ``OOBLECK_DEVICE`` (``r % devices_per_node``), read by
+Worker ``r`` gets ``OOBLECK_STORE_ADDR``, the job's secret (``OOBLECK_COORDINATOR_SECRET``), ``OOBLECK_RANK``,
+``OOBLECK_WORLD_SIZE``, ``OOBLECK_NODE`` (``r // devices_per_node``) and ``OOBLECK_DEVICE`` (``r %
+devices_per_node``), read by
 :class:`~lightning_oobleck.lightning.environment.LocalOobleckEnvironment`.
 """
 
@@ -34,6 +36,7 @@ import contextlib
 import logging
 import multiprocessing
 import os
+import secrets
 import shutil
 import signal
 import sys
@@ -42,13 +45,11 @@ import threading
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
-from datetime import timedelta
 from multiprocessing.connection import Connection
 from multiprocessing.connection import wait as wait_for_sentinels
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
 
-import torch.distributed as dist
 from lightning.fabric.utilities.rank_zero import rank_zero_only
 from lightning.pytorch.trainer.states import TrainerFn
 
@@ -77,7 +78,8 @@ from lightning_oobleck.lightning.results import (
 )
 from lightning_oobleck.recovery.agent import TrainingFinished, close_process_agent
 from lightning_oobleck.recovery.errors import UnrecoverableFailure
-from lightning_oobleck.recovery.protocol import NODE_KEY_ENV
+from lightning_oobleck.recovery.keystore import KeyStoreServer
+from lightning_oobleck.recovery.protocol import NODE_KEY_ENV, SECRET_ENV
 from lightning_oobleck.recovery.startup import StartFailure
 
 if TYPE_CHECKING:
@@ -116,12 +118,10 @@ class SupervisorService(Protocol):
 
 
 class Supervisor:
-    """The rendezvous ``TCPStore`` server plus the services, started and stopped together.
-
-    Used by :class:`OobleckLauncher` on one machine; a SLURM batch script can run one on the batch host
-    (``with Supervisor(world_size, port=29500, host=socket.gethostname()): subprocess.run(["srun", ...])``)
-    and export ``OOBLECK_STORE_ADDR=host:29500`` to the tasks.
-    """
+    """The job's rendezvous store plus the services, started and stopped together, and the job's secret
+    (:attr:`secret`, made here: the store and the coordinator serve only processes that present it, and
+    :attr:`worker_env` hands it to the workers alone). Used by :class:`OobleckLauncher` on one machine,
+    listening on ``host`` (default: loopback only)."""
 
     def __init__(
         self,
@@ -131,16 +131,16 @@ class Supervisor:
         services: Sequence[SupervisorService] = (),
         host: str = "127.0.0.1",
         port: int = 0,
-        store_timeout_s: float = 300.0,
     ) -> None:
         self.world_size = world_size
         self.devices_per_node = devices_per_node
         self.services = list(services)
         self.host = host
         self._port = port
-        self._store_timeout_s = store_timeout_s
-        self.store: dist.TCPStore | None = None
+        self.secret = secrets.token_hex(16)
+        self.store: KeyStoreServer | None = None
         self.worker_env: dict[str, str] = {k: os.environ[k] for k in FORWARDED_ENV if k in os.environ}
+        self.worker_env[SECRET_ENV] = self.secret
         """Variables every worker gets besides its position, e.g. a service's address (and those of
         :data:`FORWARDED_ENV` set now: a worker forked from a server started earlier would miss them)."""
         self._started: list[SupervisorService] = []
@@ -153,13 +153,7 @@ class Supervisor:
         return f"{self.host}:{self.store.port}"
 
     def start(self) -> None:
-        self.store = dist.TCPStore(
-            self.host,
-            self._port,
-            is_master=True,
-            wait_for_workers=False,
-            timeout=timedelta(seconds=self._store_timeout_s),
-        )
+        self.store = KeyStoreServer(self.secret, self.host, self._port).start()
         try:
             for service in self.services:
                 service.start(self)
@@ -180,6 +174,8 @@ class Supervisor:
                 service.stop()
             except Exception:
                 log.exception("supervisor service %r failed to stop", service)
+        if self.store is not None:
+            self.store.stop()
         self.store = None
 
     def __enter__(self) -> Supervisor:

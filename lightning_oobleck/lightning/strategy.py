@@ -98,6 +98,7 @@ from lightning_oobleck.lightning.units import (
 from lightning_oobleck.planning.plan import PLAN_CHECK_ENV, Plan, PlanChecked
 from lightning_oobleck.recovery.agent import WorkerAgent, close_process_agent, process_agent
 from lightning_oobleck.recovery.joiner import Admission
+from lightning_oobleck.recovery.keystore import KeyStoreClient
 from lightning_oobleck.recovery.membership import MembershipSettings
 from lightning_oobleck.recovery.protocol import ADDRESS_ENV, NODE_KEY_ENV, Timeouts, node_name
 from lightning_oobleck.recovery.service import CoordinatorService
@@ -176,6 +177,7 @@ class OobleckStrategy(ParallelStrategy, PipelineExecutor):
         self._evaluating = (0, 0)
         self._checkpoint_path: Path | None = None
         self._stashed_grads: list[Tensor | None] | None = None
+        self._store_client: KeyStoreClient | None = None
         self._store: dist.Store | None = None
         self._agent: WorkerAgent | None = None
         self._units: LightningLoop | None = None
@@ -321,9 +323,9 @@ class OobleckStrategy(ParallelStrategy, PipelineExecutor):
             plan = self._planner(module).plan(len(layers), num_workers)
             raise PlanChecked(check_plan_size(replace(plan, tied_layers=tied_layers), num_workers))
         # Every run of the process (fit, then validate...) has its own keys: plans, generations, recovery.
-        store = self._store = dist.PrefixStore(
-            f"oobleck/run{next(_RUNS)}/", _connect_store(environment, self.config)
-        )
+        # The client is a Python store: held here, as C++ (PrefixStore) keeps only its native half alive.
+        self._store_client = _connect_store(environment, self.config)
+        store = self._store = dist.PrefixStore(f"oobleck/run{next(_RUNS)}/", self._store_client)
 
         def make_plan() -> Plan:
             plan = self._planner(module).plan(len(layers), num_workers)
@@ -832,4 +834,4 @@ def _shuffles(loader: DataLoader) -> bool:
 
 def _connect_store(environment: OobleckEnvironment, config: OobleckConfig) -> dist.Store:
     host, port = environment.store_address
-    return dist.TCPStore(host, port, is_master=False, timeout=timedelta(seconds=config.plan_timeout_s))
+    return KeyStoreClient(host, port, environment.secret, timeout=timedelta(seconds=config.plan_timeout_s))

@@ -450,6 +450,13 @@ class MembershipMachine:
             self._send(peer, "fenced", reason=reason)
             self._close(peer)
             return
+        if worker in self.finished:
+            self._refuse(
+                peer,
+                f"worker (node {worker.node}, device {worker.device}) already ran and left the training: a "
+                "process that comes back is a new node (a new node key)",
+            )
+            return
         if worker in self._alive:
             holder = self._alive[worker]
             self._refuse(

@@ -6,13 +6,12 @@ them, rank 0 included. Under SLURM the batch host plays that role instead (``coo
 
 from __future__ import annotations
 
-import secrets
 from dataclasses import replace
 from typing import TYPE_CHECKING
 
 from lightning_oobleck.recovery.coordinator import Coordinator
 from lightning_oobleck.recovery.membership import MembershipSettings
-from lightning_oobleck.recovery.protocol import ADDRESS_ENV, SECRET_ENV
+from lightning_oobleck.recovery.protocol import ADDRESS_ENV
 from lightning_oobleck.worker import Worker
 
 if TYPE_CHECKING:
@@ -40,10 +39,9 @@ class CoordinatorService:
             supervisor.world_size,
             supervisor.host,
             settings=settings,
-            secret=secrets.token_hex(16),  # only processes the supervisor starts (replacements too) know it
+            secret=supervisor.secret,  # only processes the supervisor starts (replacements too) know it
         ).start()
         supervisor.worker_env[ADDRESS_ENV] = self.coordinator.address
-        supervisor.worker_env[SECRET_ENV] = self.coordinator.secret
 
     def worker_exited(self, rank: int, exitcode: int) -> None:
         """Tell the coordinator, which needs it for a worker that died before it registered."""

@@ -22,7 +22,8 @@ from lightning_oobleck.execution.errors import PeerFailure
 from lightning_oobleck.recovery.protocol import Membership
 from lightning_oobleck.worker import Worker
 
-_POLL_S = 0.002
+_SLICE = timedelta(seconds=0.02)
+"""How long one wait in the store lasts before the abort flag is looked at again."""
 
 
 def member_key(membership: Membership, what: str, worker: Worker) -> str:
@@ -58,12 +59,16 @@ def wait_for_keys(
     """Return once every key of ``keys`` is set; raise :class:`PeerFailure` when ``abort`` is set (another
     failure) or ``timeout`` passes, naming ``what`` was waited for."""
     deadline = time.monotonic() + timeout.total_seconds()
-    while not store.check(keys):
+    while True:
+        try:  # answered by the store as soon as the last key is set
+            store.wait(keys, _SLICE)
+            return
+        except dist.DistStoreError:  # not yet: look at the abort flag and the deadline
+            pass
         if abort is not None and abort.is_set():
             raise PeerFailure(f"another failure happened while waiting for {what}")
         if time.monotonic() > deadline:
             raise PeerFailure(f"{what} did not come within {timeout}")
-        time.sleep(_POLL_S)
 
 
 def wait_for_members(

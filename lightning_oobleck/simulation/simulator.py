@@ -14,7 +14,10 @@ policies charge, on the same trace:
     (:func:`~lightning_oobleck.planning.reconfigure.after_joins`): the members pause for the switch and
     the copy to the joiners. The job also checkpoints, rarely (``oobleck_checkpoint_interval_s``): when no
     layout can continue in place (fewer than ``n0`` nodes, or every replica of a layer lost), it restarts
-    from its last checkpoint on the machines up then, with the requested ``f`` or the most they allow.
+    from its last checkpoint on the machines up then, with the requested ``f`` or the most they allow. So
+    does the loss of the machine that hosts the job's coordinator and store (the SLURM batch host: the first
+    machine of the allocation, the first machine up after a relaunch), which the job does not survive yet:
+    :attr:`PolicyResult.coordinator_failures` counts them.
 ``checkpoint-restart``
     A checkpoint every ``checkpoint_interval_s`` of training (Young/Daly's ``sqrt(2 C MTBF)`` by default,
     ``C`` the write time and MTBF the trace's), blocking for the write. A loss of a running node loses the
@@ -84,6 +87,10 @@ class Costs:
     """The share of a node's link that a state copy moves: ``benchmarks/state_copy.py`` measures 0.81-1.07 of
     a raw send's speed for the streamed copy from one source (the serialised copy before it reached 0.14).
     Charged to Oobleck's copies and to replica groups' heals alike."""
+    coordinator_on_first_machine: bool = True
+    """Oobleck: the job's coordinator and store run on the allocation's first machine (SLURM's batch host),
+    whose loss the job does not survive yet: charged as a restart from the last checkpoint. ``False``: they
+    run off the training machines (the local launcher's supervisor)."""
 
 
 @dataclass(frozen=True)
@@ -114,6 +121,8 @@ class PolicyResult:
     replan_s: list[float] = field(default_factory=list)
     """Wall time of each call to the real planner."""
     final_pipelines: int = 0
+    coordinator_failures: int = 0
+    """Oobleck: losses of the coordinator's machine, each charged as a restart from the last checkpoint."""
     segments: list[Segment] = field(default_factory=list)
 
     @property
@@ -309,6 +318,8 @@ class _Machines:
         self.num_nodes = trace.num_nodes
         self.node_id = {n: n for n in range(trace.num_nodes)}
         self.down: set[int] = set()
+        self.coordinator = 0
+        """The machine of the coordinator and the store: the allocation's first (SLURM's batch host)."""
 
     def running(self, machines: Iterable[int], plan: Plan | None) -> list[int]:
         """The plan's node ids of ``machines`` that it runs on."""
@@ -321,6 +332,7 @@ class _Machines:
         restarts.train_until(t, interrupted)
         up = [m for m in range(self.num_nodes) if m not in self.down]
         self.node_id = {machine: k for k, machine in enumerate(up)}
+        self.coordinator = up[0] if up else -1
         return restarts.restart(len(up))
 
 
@@ -385,6 +397,15 @@ def simulate_oobleck(
             machines.down |= set(event.nodes)
             waiting = [m for m in waiting if m not in event.nodes]
             lost = machines.running(event.nodes, current)
+            if (
+                costs.coordinator_on_first_machine
+                and current is not None
+                and machines.coordinator in event.nodes
+            ):
+                result.coordinator_failures += 1  # no coordinator, no store: the job restarts
+                result.events += 1
+                current = machines.relaunch(restarts, t, interrupted=True)
+                continue
             if not lost:
                 continue
             restarts.train_until(t, interrupted=True)

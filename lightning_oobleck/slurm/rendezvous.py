@@ -1,8 +1,10 @@
 """The job's supervisor, run on the SLURM batch host: ``python -m lightning_oobleck.slurm.rendezvous``.
 
 The batch script starts it in the background before ``srun`` and exports its two addresses to every task:
-``OOBLECK_STORE_ADDR=host:port``, a ``torch.distributed.TCPStore`` (the store all ranks rendezvous through,
-generation after generation; read by :mod:`lightning_oobleck.lightning.environment`), and
+``OOBLECK_STORE_ADDR=host:port``, the job's key store (:mod:`lightning_oobleck.recovery.keystore`: the store
+all ranks rendezvous through, generation after generation; read by
+:mod:`lightning_oobleck.lightning.environment`; it answers only processes that present the job's secret,
+exported beside the addresses), and
 ``OOBLECK_COORDINATOR_ADDR=host:port``, the recovery :class:`~lightning_oobleck.recovery.Coordinator` (the
 failure detector and membership authority each task's ``WorkerAgent`` connects to). Both live in a process of
 their own, so that the loss of any training task, rank 0 included, leaves them running. Its host, the batch
@@ -27,7 +29,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import datetime
 import logging
 import os
 import secrets
@@ -68,17 +69,16 @@ def serve(
     until told to stop. The coordinator listens on
     ``bind`` (default: the address ``host`` resolves to, the interface the tasks reach this host by)."""
     # Imported here, not at the top: ``--detach`` returns the address sooner without torch's import.
-    from torch.distributed import TCPStore
-
     from lightning_oobleck.recovery import ADDRESS_ENV, Coordinator
+    from lightning_oobleck.recovery.keystore import KeyStoreServer
     from lightning_oobleck.recovery.membership import MembershipSettings
     from lightning_oobleck.recovery.protocol import SECRET_ENV
 
     # The coordinator's registrations, deaths and generations go to this process's log (``--log``).
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s", stream=sys.stderr)
-    store = TCPStore(
-        host, port, is_master=True, wait_for_workers=False, timeout=datetime.timedelta(seconds=30)
-    )
+    secret = secrets.token_hex(16)  # joiners read it from the join file, readable by the user only
+    interface = bind or interface_of(host)
+    store = KeyStoreServer(secret, interface, port).start()
     # Fenced workers on this host are SIGKILLed so that their gloo peers see them gone at once; tasks on
     # other hosts fence themselves.
     tasks_per_node = _env_int("SLURM_NTASKS_PER_NODE") or 1
@@ -87,10 +87,10 @@ def serve(
     )
     coordinator = Coordinator(
         world_size,
-        bind or interface_of(host),
+        interface,
         settings=settings,
         advertise_host=host,
-        secret=secrets.token_hex(16),  # joiners read it from the join file, readable by the user only
+        secret=secret,
     ).start()
     assert coordinator.secret is not None
     exports = {
@@ -123,6 +123,7 @@ def serve(
         if joining is not None:
             joining.unlink(missing_ok=True)
         coordinator.stop()
+        store.stop()
 
 
 def detach(argv: Sequence[str], log_path: str, timeout_s: float = STARTUP_TIMEOUT_S) -> str:
@@ -177,7 +178,7 @@ def _env_int(name: str) -> int | None:
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog=f"python -m {MODULE}",
-        description=f"Host the job's rendezvous TCPStore and recovery coordinator; print the line that "
+        description=f"Host the job's rendezvous store and recovery coordinator; print the line that "
         f"exports their addresses ({STORE_ADDR_VAR}, OOBLECK_COORDINATOR_ADDR).",
     )
     parser.add_argument("--host", default=socket.gethostname(), help="name the tasks reach this host by")

@@ -1,4 +1,4 @@
-"""OobleckLauncher with real worker processes, a real TCPStore and real signals.
+"""OobleckLauncher with real worker processes, the job's real store and real signals.
 
 Workers here run tiny functions (``fork``: no re-import of Lightning per worker); one test runs a real
 ``Trainer.fit`` through ``spawn`` to check what comes back into the caller's Trainer.
@@ -16,10 +16,11 @@ from datetime import timedelta
 from pathlib import Path
 
 import pytest
-import torch.distributed as dist
 
 from lightning_oobleck.lightning.environment import LocalOobleckEnvironment
 from lightning_oobleck.lightning.launcher import LaunchError, OobleckLauncher, Supervisor
+from lightning_oobleck.recovery.keystore import KeyStoreClient, KeyStoreError
+from lightning_oobleck.recovery.protocol import SECRET_ENV
 
 STORE_TIMEOUT = timedelta(seconds=20)
 
@@ -30,10 +31,11 @@ class ExitRecorder:
     def __init__(self) -> None:
         self.exits: list[tuple[int, int]] = []
         self.stopped = False
-        self.store: dist.TCPStore | None = None
+        self.store: KeyStoreClient | None = None
 
     def start(self, supervisor: Supervisor) -> None:
-        self.store = supervisor.store
+        assert supervisor.store is not None
+        self.store = KeyStoreClient(supervisor.host, supervisor.store.port, supervisor.secret, STORE_TIMEOUT)
         supervisor.worker_env["RECORDER_ADDR"] = f"recorder-of-{supervisor.world_size}"
 
     def worker_exited(self, rank: int, exitcode: int) -> None:
@@ -45,9 +47,9 @@ class ExitRecorder:
         self.stopped = True
 
 
-def _store() -> dist.TCPStore:
-    host, port = LocalOobleckEnvironment().store_address
-    return dist.TCPStore(host, port, is_master=False, timeout=STORE_TIMEOUT)
+def _store() -> KeyStoreClient:
+    env = LocalOobleckEnvironment()
+    return KeyStoreClient(*env.store_address, env.secret, STORE_TIMEOUT)
 
 
 def report_position() -> int:
@@ -231,11 +233,14 @@ def test_bad_arguments_are_refused_with_the_fix():
         OobleckLauncher(2, start_method="thread")  # type: ignore[arg-type]
 
 
-def test_supervisor_store_serves_clients():
+def test_supervisor_store_serves_the_jobs_processes_only():
     with Supervisor(2) as supervisor:
         host, port = supervisor.store_addr.rsplit(":", 1)
-        client = dist.TCPStore(host, int(port), is_master=False, timeout=STORE_TIMEOUT)
+        assert host == "127.0.0.1"  # a local run: loopback only
+        client = KeyStoreClient(host, int(port), supervisor.worker_env[SECRET_ENV], STORE_TIMEOUT)
         client.set("k", "v")
-        assert supervisor.store is not None and supervisor.store.get("k") == b"v"
+        assert KeyStoreClient(host, int(port), supervisor.secret, STORE_TIMEOUT).get("k") == b"v"
+        with pytest.raises(KeyStoreError, match="refused this process: refused: wrong secret"):
+            KeyStoreClient(host, int(port), "guessed", STORE_TIMEOUT)
     with pytest.raises(RuntimeError, match="not started"):
         _ = supervisor.store_addr

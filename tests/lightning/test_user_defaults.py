@@ -11,10 +11,14 @@ checkpoints without their shards, and the model summary's forward failed on the 
 
 from __future__ import annotations
 
+import contextlib
 import json
+import os
 import re
+import socket
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -28,6 +32,7 @@ from torch.utils.data import DataLoader, TensorDataset
 from lightning_oobleck import OobleckStrategy, PipelineModule, consolidate_checkpoint
 from lightning_oobleck.lightning.callbacks import KillAt
 from lightning_oobleck.lightning.units import EVENTS_FILE, CheckpointError
+from lightning_oobleck.recovery import read_events
 from lightning_oobleck.recovery.startup import PlanFailure
 from lightning_oobleck.testing import FAULTS_ENV, Fault, FaultPoint
 
@@ -201,15 +206,76 @@ def test_an_error_on_one_rank_is_a_fault_and_is_survived(
     assert_same_weights(fit(RaisesAtStep3(rank=2), 8), uninterrupted)
 
 
+class Stranger(threading.Thread):
+    """A process on the job's network that knows nothing of it: every 20 ms it connects to every TCP port the
+    supervisor (this process) listens on, the store's and the coordinator's, and tries to write a key, to
+    read the plan and to register as a worker, keeping each answer with its time."""
+
+    ATTEMPTS = (
+        b'{"op":"set","key":"oobleck/run0/stray","value":"eA=="}\n',
+        b'{"op":"get","key":"oobleck/run0/plan","timeout_s":1}\n',
+        b'{"op":"register","node":9,"device":0,"pid":1,"host":"elsewhere"}\n',
+    )
+
+    def __init__(self) -> None:
+        super().__init__(daemon=True)
+        self.answers: list[tuple[float, int, bytes]] = []
+        self.ports: set[int] = set()
+        self.done = threading.Event()
+
+    def run(self) -> None:
+        while not self.done.wait(0.02):
+            ports = self.listening_ports()
+            self.ports |= ports
+            for port in ports:
+                for attempt in self.ATTEMPTS:
+                    try:
+                        with socket.create_connection(("127.0.0.1", port), timeout=2) as sock:
+                            sock.sendall(attempt)
+                            answer = sock.makefile("rb").readline()
+                    except OSError:
+                        answer = b""
+                    self.answers.append((time.time(), port, answer))
+
+    @staticmethod
+    def listening_ports() -> set[int]:
+        inodes = set()
+        for fd in os.listdir("/proc/self/fd"):
+            with contextlib.suppress(OSError):
+                inodes.add(os.readlink(f"/proc/self/fd/{fd}").removeprefix("socket:[").removesuffix("]"))
+        ports = set()
+        for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+            for fields in (line.split() for line in Path(table).read_text().splitlines()[1:]):
+                if fields[3] == "0A" and fields[9] in inodes:  # LISTEN, one of ours
+                    ports.add(int(fields[1].rsplit(":", 1)[1], 16))
+        return ports
+
+
 @pytest.mark.timeout(240)
-def test_a_hand_written_layout_keeps_its_fault_tolerance(
+def test_a_hand_written_layout_recovers_while_a_stranger_at_every_port_reads_and_writes_nothing(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, uninterrupted: dict[str, torch.Tensor]
 ) -> None:
-    """A pinned layout is profiled like an automatic plan: rank 0's loss is recovered in place from the
-    planner's templates."""
+    """A pinned layout is profiled like an automatic plan: rank 0's loss at step 3 is recovered in place
+    from the planner's templates. Through start-up, training, that failure and its recovery, a stranger
+    knocks at the store and the coordinator (both on loopback only) with writes, reads and registrations:
+    each is refused, and the run ends with the weights of the uninterrupted one."""
     monkeypatch.chdir(tmp_path)
-    survived = fit(Regressor(), 8, layout=[[0, 1, 4], [0, 1, 4]], callbacks=[KillAt(0, 3)])
+    stranger = Stranger()
+    stranger.start()
+    try:
+        survived = fit(Regressor(), 8, layout=[[0, 1, 4], [0, 1, 4]], callbacks=[KillAt(0, 3)])
+    finally:
+        stranger.done.set()
+        stranger.join(timeout=10)
     assert_same_weights(survived, uninterrupted)
+    [events] = tmp_path.glob(f"lightning_logs/version_0/{EVENTS_FILE}")
+    [recovery] = read_events(events)[1]
+    assert recovery.removed == [[0, 0]]
+    answered = [(at, port, answer) for at, port, answer in stranger.answers if answer]
+    assert len({port for _, port, _ in answered}) == 2, stranger.ports  # the store and the coordinator
+    assert all(b"refused" in answer for _, _, answer in answered), {a for _, _, a in answered}
+    assert any(at < recovery.detected_at for at, _, _ in answered)
+    assert any(recovery.detected_at <= at <= recovery.resumed_at + 1 for at, _, _ in answered)
 
 
 @pytest.mark.timeout(240)

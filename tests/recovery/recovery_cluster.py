@@ -1,4 +1,4 @@
-"""Test harness: a coordinator and a TCPStore in the test process, and real worker processes.
+"""Test harness: a coordinator and the job's store in the test process, and real worker processes.
 
 ``Cluster`` starts ``recovery_worker.py`` processes (one per ``(node, device)``), lets tests signal
 them for real and read what each one reported. Every wait is bounded; leaving the ``with`` block
@@ -14,14 +14,15 @@ import subprocess
 import sys
 import time
 from collections.abc import Callable
-from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
-from torch.distributed import TCPStore
-
 from lightning_oobleck.recovery import Coordinator, Membership, Worker
+from lightning_oobleck.recovery.keystore import KeyStoreServer
 from lightning_oobleck.recovery.membership import MembershipSettings
+
+STORE_SECRET = "the-tests-job"
+"""The secret of the test run's store."""
 
 WORKER_SCRIPT = Path(__file__).with_name("recovery_worker.py")
 
@@ -58,9 +59,7 @@ class Cluster:
                 heartbeat_timeout=heartbeat_timeout, settle_s=settle_s, agreement_timeout=agreement_timeout
             ),
         ).start()
-        self.store = TCPStore(
-            "127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=30)
-        )
+        self.store = KeyStoreServer(STORE_SECRET).start()
         self.procs: dict[Worker, subprocess.Popen[bytes]] = {}
         for worker in workers:
             self.spawn(Worker(*worker), (worker_args or {}).get(worker, []))
@@ -72,6 +71,7 @@ class Cluster:
             str(WORKER_SCRIPT),
             f"--coordinator={self.coordinator.address}",
             f"--store-port={self.store.port}",
+            f"--store-secret={STORE_SECRET}",
             f"--node={worker.node}",
             f"--device={worker.device}",
             f"--out={self._out(worker)}",
@@ -95,6 +95,7 @@ class Cluster:
                 os.kill(proc.pid, signal.SIGKILL)  # also ends a stopped process
                 proc.wait(timeout=10)
         self.coordinator.stop()
+        self.store.stop()
 
     def _out(self, worker: Worker) -> Path:
         return self.directory / f"worker-{worker.node}-{worker.device}.jsonl"

@@ -30,6 +30,7 @@ import torch
 import torch.distributed as dist
 
 from lightning_oobleck.recovery import EventLog, Membership, RecoveryEvent, WorkerAgent
+from lightning_oobleck.recovery.keystore import KeyStoreClient
 
 GROUP_TIMEOUT = timedelta(seconds=10)
 WAIT_TIMEOUT_S = 60.0
@@ -59,7 +60,7 @@ class Run:
         self.args = args
         self.me = (args.node, args.device)
         self.out = open(args.out, "a", buffering=1)  # noqa: SIM115 (the process ends with os._exit)
-        self.store = dist.TCPStore("127.0.0.1", args.store_port, is_master=False, timeout=GROUP_TIMEOUT)
+        self.store = KeyStoreClient("127.0.0.1", args.store_port, args.store_secret, timeout=GROUP_TIMEOUT)
         self.agent = WorkerAgent(self.me, args.coordinator, connect_timeout=20.0).start()
         self.events = EventLog(args.events) if args.events else None
         self.graveyard: list[dist.ProcessGroup] = []
@@ -152,6 +153,7 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--coordinator", required=True)
     parser.add_argument("--store-port", type=int, required=True)
+    parser.add_argument("--store-secret", required=True)
     parser.add_argument("--node", type=int, required=True)
     parser.add_argument("--device", type=int, default=0)
     parser.add_argument("--out", required=True)

@@ -1,7 +1,7 @@
 """A worker process for the in-process recovery tests: the tiny GPT in float64 under :class:`UnitRunner`.
 
 It trains ``--steps`` AdamW steps (gradients clipped with the committed norm) on the plan ``--plan``,
-with a WorkerAgent of the test's coordinator and the test's TCPStore, and injects its own faults for
+with a WorkerAgent of the test's coordinator and the test's store, and injects its own faults for
 real (``--fault``, repeatable), through the package's fault points (:mod:`lightning_oobleck.testing`):
 
 * ``kill-forward:S`` / ``stop-forward:S``: SIGKILL / SIGSTOP itself in the middle of step S's 1F1B;
@@ -54,6 +54,7 @@ from lightning_oobleck.recovery.admission import JoinPolicy  # noqa: E402
 from lightning_oobleck.recovery.agent import TrainingFinished  # noqa: E402
 from lightning_oobleck.recovery.errors import UnrecoverableFailure  # noqa: E402
 from lightning_oobleck.recovery.joiner import join_training  # noqa: E402
+from lightning_oobleck.recovery.keystore import KeyStoreClient  # noqa: E402
 from lightning_oobleck.recovery.unit_runner import UnitRunner  # noqa: E402
 from lightning_oobleck.testing import Fault, FaultAction, FaultPoint, arm  # noqa: E402
 
@@ -154,6 +155,7 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--coordinator", required=True)
     parser.add_argument("--store-port", type=int, required=True)
+    parser.add_argument("--store-secret", required=True)
     parser.add_argument("--node", type=int)
     parser.add_argument("--node-key")
     parser.add_argument("--join-policy", default="at_once")
@@ -179,7 +181,7 @@ def main() -> None:
             kinds[fault] = kind
             arm(fault, report=lambda fault: report("fault", fault=kinds[fault], at=fault.step))
 
-    store = torch.distributed.TCPStore("127.0.0.1", args.store_port, is_master=False, timeout=GROUP_TIMEOUT)
+    store = KeyStoreClient("127.0.0.1", args.store_port, args.store_secret, timeout=GROUP_TIMEOUT)
     agent = WorkerAgent(
         (args.node, 0), args.coordinator, connect_timeout=60.0, node_key=args.node_key
     ).start()

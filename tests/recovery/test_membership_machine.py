@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import pytest
-from hypothesis import given, settings
+from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 from lightning_oobleck.recovery.membership import (
@@ -384,6 +384,18 @@ ACTIONS = st.one_of(
 
 @settings(max_examples=300, deadline=None)
 @given(devices=st.sampled_from([1, 2, 3]), allow_joins=st.booleans(), actions=st.lists(ACTIONS, max_size=40))
+@example(  # a joiner that left during the start, then a process of its node key: refused, not re-admitted
+    devices=2,
+    allow_joins=True,
+    actions=[
+        ("register", 0, False),
+        ("exit_unregistered", 1),
+        ("exit_unregistered", 2),
+        ("join", 2, 2),
+        ("leave", 1),
+        ("join", 2, 1),
+    ],
+)
 def test_random_interleavings_keep_the_invariants(devices: int, allow_joins: bool, actions: list) -> None:
     h = Harness(6 // devices, devices, allow_joins)
     for name, *args in actions:

@@ -25,7 +25,6 @@ from gpt.model import gpt_loss
 
 # runtime_worker also makes tests/execution and examples/ importable
 from runtime_worker import MAX_NORM, STOP_KEY, UNRECOVERABLE_EXIT
-from torch.distributed import TCPStore
 
 from lightning_oobleck.execution import build_reference_model
 from lightning_oobleck.execution.checkpoint import load_sharded_model
@@ -34,7 +33,10 @@ from lightning_oobleck.planning.plan import Plan
 from lightning_oobleck.planning.planner import make_plan
 from lightning_oobleck.planning.profile import LayerProfile, ModelProfile
 from lightning_oobleck.recovery import Coordinator, read_events
+from lightning_oobleck.recovery.keystore import KeyStoreClient, KeyStoreServer
 from lightning_oobleck.recovery.membership import MembershipSettings
+
+STORE_SECRET = "the-tests-job"
 
 WORKER = Path(__file__).with_name("runtime_worker.py")
 NODES = 6
@@ -104,7 +106,8 @@ def run_training(
     """
     plan_file = tmp_path / "plan.json"
     plan_file.write_text((plan or six_node_plan()).to_json())
-    store = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=30))
+    server = KeyStoreServer(STORE_SECRET).start()
+    store = KeyStoreClient("127.0.0.1", server.port, STORE_SECRET, timedelta(seconds=30))
     coordinator = Coordinator(
         NODES,
         "127.0.0.1",
@@ -120,6 +123,7 @@ def run_training(
             str(WORKER),
             f"--coordinator={coordinator.address}",
             f"--store-port={store.port}",
+            f"--store-secret={STORE_SECRET}",
             *position,
             f"--plan={plan_file}",
             f"--steps={steps}",
@@ -211,6 +215,7 @@ def run_training(
                 proc.kill()
                 proc.wait(timeout=10)
         coordinator.stop()
+        server.stop()
     records = {
         label: [json.loads(line) for line in (tmp_path / f"node{label}.jsonl").read_text().splitlines()]
         if (tmp_path / f"node{label}.jsonl").exists()

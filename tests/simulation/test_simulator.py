@@ -213,3 +213,20 @@ def test_a_copy_striped_over_replicas_charges_each_sender_its_share(plan: Plan) 
     assert copy_time_s(striped, inputs) == pytest.approx(one_layer)
     assert copy_time_s([LayerCopy(0, 5, 5, to_device=1)], inputs) == 0.0
     assert copy_time_s(striped, inputs, link_share=0.5) == pytest.approx(2 * one_layer)
+
+
+def test_losing_the_coordinators_machine_is_charged_as_a_restart(plan: Plan) -> None:
+    """Under SLURM the coordinator and the store live on the batch host, the allocation's first machine: the
+    job does not survive its loss yet, so it restarts from its last checkpoint; after that restart the batch
+    host is the first machine up. Off the training machines (the local supervisor) the loss is in place."""
+    horizon, costs = 6 * HOUR, Costs(oobleck_checkpoint_interval_s=HOUR / 2)
+    trace = Trace(8, horizon, (NodeEvent(HOUR + 5.0, "fail", (0,)), NodeEvent(3 * HOUR + 5.0, "fail", (1,))))
+    result = simulate_oobleck(plan, trace, costs)
+    assert result.coordinator_failures == 2 and result.events == 2
+    assert result.recovery_s >= 2 * Costs().restart_s
+    elsewhere = simulate_oobleck(plan, trace, replace(costs, coordinator_on_first_machine=False))
+    assert elsewhere.coordinator_failures == 0 and elsewhere.recovery_s < Costs().restart_s
+    assert result.samples < elsewhere.samples
+    # a machine other than the batch host: in place, as before
+    other = simulate_oobleck(plan, Trace(8, horizon, (NodeEvent(HOUR + 5.0, "fail", (3,)),)), costs)
+    assert other.coordinator_failures == 0 and other.recovery_s < Costs().restart_s

@@ -1,6 +1,6 @@
 """The batch host's supervisor (``python -m lightning_oobleck.slurm.rendezvous``) as a batch script uses it,
-without SLURM: a shell evals its line, a task reaches the store and the coordinator, and both go away with
-the shell."""
+without SLURM: a shell evals its line, a task reaches the store (with the job's secret; a guess is refused)
+and the coordinator, and both go away with the shell."""
 
 from __future__ import annotations
 
@@ -17,17 +17,23 @@ from lightning_oobleck.slurm.rendezvous import MODULE
 
 TASK = """
 import datetime, json, os
-from torch.distributed import TCPStore
 from lightning_oobleck.recovery import WorkerAgent
+from lightning_oobleck.recovery.keystore import KeyStoreClient, KeyStoreError
 host, port = os.environ["OOBLECK_STORE_ADDR"].rsplit(":", 1)
-store = TCPStore(host, int(port), is_master=False, timeout=datetime.timedelta(seconds=20))
+timeout = datetime.timedelta(seconds=20)
+store = KeyStoreClient(host, int(port), os.environ["OOBLECK_COORDINATOR_SECRET"], timeout)
 store.set("k", "v")
+try:
+    KeyStoreClient(host, int(port), "guessed", timeout)
+    stranger = "served"
+except KeyStoreError as e:
+    stranger = str(e)
 with WorkerAgent((0, 0), connect_timeout=20) as agent:
     membership = agent.agree(-1, timeout=20)
 print(json.dumps({
     "store": os.environ["OOBLECK_STORE_ADDR"], "coordinator": os.environ["OOBLECK_COORDINATOR_ADDR"],
     "value": store.get("k").decode(), "generation": membership.generation,
-    "members": [list(w) for w in membership.workers],
+    "members": [list(w) for w in membership.workers], "stranger": stranger, "keys": store.num_keys(),
 }))
 """
 
@@ -61,11 +67,13 @@ def test_batch_script_lines_export_a_store_and_a_coordinator_that_end_with_the_s
         )
         if state == "0A"
     }
-    assert task["value"] == "v"
+    assert task["value"] == "v" and task["keys"] == 1
+    assert "refused this process: refused: wrong secret" in task["stranger"]
     assert (task["generation"], task["members"]) == (0, [[0, 0]])
     assert f"worker (0, 0) on {socket.gethostname()} registered" in log.read_text()  # its node, named
-    # The coordinator listened only on the interface the host name resolves to, not on every interface.
-    assert listeners[int(task["coordinator"].rsplit(":", 1)[1])] == socket.gethostbyname(socket.gethostname())
+    # Store and coordinator listened only on the interface the host name resolves to, not on every interface.
+    for service in ("store", "coordinator"):
+        assert listeners[int(task[service].rsplit(":", 1)[1])] == socket.gethostbyname(socket.gethostname())
     deadline = time.monotonic() + 10
     while any(_listening(task[k]) for k in ("store", "coordinator")) and time.monotonic() < deadline:
         time.sleep(0.2)
