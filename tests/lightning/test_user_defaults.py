@@ -208,8 +208,8 @@ def test_an_error_on_one_rank_is_a_fault_and_is_survived(
 
 class Stranger(threading.Thread):
     """A process on the job's network that knows nothing of it: every 20 ms it connects to every TCP port the
-    supervisor (this process) listens on, the store's and the coordinator's, and tries to write a key, to
-    read the plan and to register as a worker, keeping each answer with its time."""
+    supervisor (this process) opened since the stranger started, the store's and the coordinator's, and
+    tries to write a key, to read the plan and to register as a worker, keeping each answer with its time."""
 
     ATTEMPTS = (
         b'{"op":"set","key":"oobleck/run0/stray","value":"eA=="}\n',
@@ -224,13 +224,14 @@ class Stranger(threading.Thread):
         self.done = threading.Event()
 
     def run(self) -> None:
+        before = self.listening_ports()  # not the job's: sockets earlier tests of this process left open
         while not self.done.wait(0.02):
-            ports = self.listening_ports()
+            ports = self.listening_ports() - before
             self.ports |= ports
             for port in ports:
                 for attempt in self.ATTEMPTS:
                     try:
-                        with socket.create_connection(("127.0.0.1", port), timeout=2) as sock:
+                        with socket.create_connection(("127.0.0.1", port), timeout=0.5) as sock:
                             sock.sendall(attempt)
                             answer = sock.makefile("rb").readline()
                     except OSError:

@@ -181,6 +181,11 @@ def planned(num_nodes: int, devices_per_node: int = 1, schedule: str = "1f1b") -
     )
 
 
+SPLIT_TIMEOUT_S = 10.0
+"""The collective timeout of the runs whose stages span two processes: under gloo, a stage peer left inside a
+tensor-parallel collective by a failure waits for it (docs/limitations.md), so it sets how long they take."""
+
+
 def planned_split(num_nodes: int, fault_tolerance: int = 1, device_memory_bytes: int = 10_000) -> Plan:
     """Nodes of 2 processes, each stage split over both (tensor parallelism 2), f = 1: half a device's worth
     of each layer per device, three layers per stage at most (n0 = 2): two pipelines of 2 nodes on 4. With
@@ -205,6 +210,7 @@ def fit_with_faults(
     devices_per_node: int = 1,
     plan: Plan | None = None,
     callbacks: list[L.Callback] = (),
+    collective_timeout_s: float = 20.0,
     **options: Any,
 ) -> L.Trainer:
     """Train on ``plan`` (default: the plan of ``planned(num_nodes, devices_per_node)``), one process per
@@ -220,7 +226,7 @@ def fit_with_faults(
         fault_tolerance=plan.fault_tolerance,
         seed=SEED,
         start_method="forkserver",
-        collective_timeout_s=20,
+        collective_timeout_s=collective_timeout_s,
         heartbeat_timeout_s=4.0,
         **options,
     )
@@ -362,7 +368,9 @@ def test_a_stage_split_over_two_processes_loses_global_rank_0(
     plan = planned_split(4)
     assert [p.nodes for p in plan.pipelines] == [(0, 1), (2, 3)] and plan.tensor_parallel == 2
     faults = {(0, 1): Fault(signal.SIGKILL, FORWARD, device=0)}
-    trainer = fit_with_faults(tmp_path, faults, num_nodes=4, devices_per_node=2, plan=plan)
+    trainer = fit_with_faults(
+        tmp_path, faults, num_nodes=4, devices_per_node=2, plan=plan, collective_timeout_s=SPLIT_TIMEOUT_S
+    )
     check(trainer, tmp_path, reference, dead={0}, num_nodes=4, devices_per_node=2)
     _, recoveries = read_events(tmp_path / EVENTS_FILE)
     assert [sorted(map(tuple, e.removed)) for e in recoveries] == [[(0, 0), (0, 1)]]
@@ -404,6 +412,7 @@ def test_a_replacement_node_of_split_stages_joins(tmp_path: Path, reference: dic
         plan=plan,
         callbacks=[HoldForTheReplacement(8)],
         replace_failed_after_s=0.2,
+        collective_timeout_s=SPLIT_TIMEOUT_S,
     )
     check(trainer, tmp_path, reference, dead={1}, num_nodes=4, devices_per_node=2, joined={4})
     _, recoveries = read_events(tmp_path / EVENTS_FILE)
@@ -424,7 +433,9 @@ def test_two_nodes_of_split_stages_at_once(tmp_path: Path, reference: dict[str, 
     assert plan.fault_tolerance == 2 and len(plan.pipelines) >= 3 and plan.tensor_parallel == 2
     kill = {0: Fault(signal.SIGKILL, FORWARD, device=0), 2: Fault(signal.SIGKILL, FORWARD, device=1)}
     faults = {(node, 1): fault for node, fault in kill.items()}
-    trainer = fit_with_faults(tmp_path, faults, num_nodes=4, devices_per_node=2, plan=plan)
+    trainer = fit_with_faults(
+        tmp_path, faults, num_nodes=4, devices_per_node=2, plan=plan, collective_timeout_s=SPLIT_TIMEOUT_S
+    )
     check(trainer, tmp_path, reference, dead={0, 2}, num_nodes=4, devices_per_node=2)
     _, recoveries = read_events(tmp_path / EVENTS_FILE)
     assert sorted(w for e in recoveries for w in map(tuple, e.removed)) == [(0, 0), (0, 1), (2, 0), (2, 1)]

@@ -320,7 +320,8 @@ def copy_while_a_peer_dies(store: Any, state: dict, victim: int) -> dict[str, An
     copies = [LayerCopy(layer, 2, 0, replicas=(Worker(0, 0), Worker(1, 0))) for layer in range(3, 6)]
     if worker.node == victim:
         arm(Fault(FaultPoint.COPY_CHUNK, FaultAction.KILL, node=victim))
-    groups = ProcessGroups(new, worker, store, generation=0, backend="gloo", timeout=timedelta(seconds=20))
+    # a survivor left waiting on the dead peer's chunk fails at this timeout (gloo)
+    groups = ProcessGroups(new, worker, store, generation=0, backend="gloo", timeout=timedelta(seconds=8))
     try:
         transfer_state(
             module, state_by_name(opt, module), copies, groups, allocate(CPU), threading.Event(), CPU, BUCKET
