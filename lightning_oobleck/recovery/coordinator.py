@@ -43,7 +43,7 @@ from lightning_oobleck.recovery.membership import (
     MembershipSettings,
     Send,
 )
-from lightning_oobleck.recovery.protocol import SECRET_ENV, LineReader, Membership, encode
+from lightning_oobleck.recovery.protocol import SECRET_ENV, LineReader, Membership, accept, encode
 from lightning_oobleck.worker import Worker
 
 log = logging.getLogger(__name__)
@@ -249,12 +249,9 @@ class Coordinator:
                 self._close(conn)
 
     def _accept(self) -> None:
-        try:
-            sock, addr = self._server.accept()
-        except BlockingIOError:
+        if (accepted := accept(self._server)) is None:
             return
-        sock.setblocking(False)
-        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        sock, addr = accepted
         self._next_id += 1
         conn = _Connection(self._next_id, sock, f"{addr[0]}:{addr[1]}")
         self._connections[conn.id] = conn

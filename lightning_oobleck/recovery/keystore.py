@@ -35,6 +35,8 @@ from typing import Any
 
 import torch.distributed as dist
 
+from lightning_oobleck.recovery.protocol import accept
+
 log = logging.getLogger(__name__)
 
 MAX_MESSAGE_BYTES = 256 << 20
@@ -210,16 +212,12 @@ class KeyStoreServer:
             self._server.close()
 
     def _accept(self) -> None:
-        try:
-            sock, _ = self._server.accept()
-        except BlockingIOError:
+        if (accepted := accept(self._server)) is None:
             return
-        sock.setblocking(False)
-        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-        client = _Client(self._next_id, sock)
+        client = _Client(self._next_id, accepted[0])
         self._next_id += 1
         self._clients[client.id] = client
-        self._selector.register(sock, selectors.EVENT_READ, client)
+        self._selector.register(client.sock, selectors.EVENT_READ, client)
 
     def _read(self, client: _Client) -> None:
         try:

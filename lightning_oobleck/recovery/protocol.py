@@ -179,3 +179,15 @@ class LineReader:
             raise ValueError(f"protocol line longer than {MAX_LINE_BYTES} bytes: not an oobleck peer")
         self._buffer = bytearray(rest)
         return [json.loads(line) for line in lines if line.strip()]
+
+
+def accept(server: socket.socket) -> tuple[socket.socket, Any] | None:
+    """The next connection waiting on the non-blocking listening socket ``server``, made non-blocking and
+    without Nagle's delay (messages are single lines, answered at once); ``None`` if none waits."""
+    try:
+        sock, address = server.accept()
+    except BlockingIOError:
+        return None
+    sock.setblocking(False)
+    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    return sock, address

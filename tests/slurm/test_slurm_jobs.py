@@ -381,7 +381,9 @@ def test_a_crashed_batch_host_ends_the_job_at_once_and_says_why(cluster: Cluster
     batch_host = dict(
         t.split("=", 1) for t in run("scontrol", "show", "job", job_id, "--oneliner").split() if "=" in t
     )["BatchHost"]
+    watch = DownWatch(cluster, batch_host)
     crashed_at = cluster.crash(batch_host)
+    watch.start()
     try:
         records = _wait_for_end(job_id, timeout_s=90)
         ended_after_s = time.time() - crashed_at
@@ -392,6 +394,7 @@ def test_a_crashed_batch_host_ends_the_job_at_once_and_says_why(cluster: Cluster
         assert output.count(reason) == 1, output[-3000:]  # once, whichever survivors said it
         _assert_no_process_outlives(job_id)
     finally:
+        watch.join(timeout=90)  # brought back before SLURM called it DOWN, it would be called DOWN after
         cluster.restart(batch_host)
 
 
