@@ -19,7 +19,12 @@ from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from lightning_oobleck.recovery.agent import CoordinatorLost, TrainingFinished, announce_presence
+from lightning_oobleck.recovery.agent import (
+    COORDINATOR_LOST_HOOKS,
+    CoordinatorLost,
+    TrainingFinished,
+    announce_presence,
+)
 from lightning_oobleck.recovery.protocol import NODE_KEY_ENV
 from lightning_oobleck.slurm import cluster
 
@@ -64,23 +69,29 @@ def run_script(script: str, args: Sequence[str], join: bool = False) -> None:
         os.environ[NODE_KEY_ENV] = f"{os.environ['SLURM_JOB_ID']}.{os.environ['SLURM_NODEID']}"
     else:
         announce_slurm_task()
+    lost: list[CoordinatorLost] = []
+    if "SLURM_JOB_ID" in os.environ:
+        COORDINATOR_LOST_HOOKS.append(
+            lambda error: (lost.append(error), end_job(os.environ["SLURM_JOB_ID"], error))
+        )
     sys.argv = [script, *args]
     sys.path.insert(0, str(Path(script).parent))
     try:
         runpy.run_path(script, run_name="__main__")
     except TrainingFinished as e:
         print(f"oobleck: {e}: nothing to do", file=sys.stderr)
-    except BaseException as e:
-        if (lost := _coordinator_lost(e)) is not None and "SLURM_JOB_ID" in os.environ:
-            end_job(os.environ["SLURM_JOB_ID"], lost)
-        raise
+    finally:
+        if lost:  # again, here: the script may end (and the process with it) before the hook's thread did
+            end_job(os.environ["SLURM_JOB_ID"], lost[0])
 
 
 def end_job(job_id: str, lost: CoordinatorLost) -> None:
-    """The job's batch host is gone with the coordinator and the store it ran: no failure can be detected or
-    agreed on any more, and SLURM would keep the job RUNNING, its nodes idle, until ``--time``. Say why in
-    the job's output file (the survivors' own output went to the lost batch host's ``srun``), once whichever
-    tasks get here, then cancel the job: it resumes from its last checkpoint."""
+    """The job's batch host is gone with the coordinator and the store it ran (this task's agent lost its
+    coordinator: :data:`~lightning_oobleck.recovery.agent.COORDINATOR_LOST_HOOKS`, as soon as it happens,
+    wherever the training is): no failure can be detected or agreed on any more, and SLURM would keep the
+    job RUNNING, its nodes idle, until ``--time``. Say why in the job's output file (the survivors' own
+    output went to the lost batch host's ``srun``), once whichever tasks get here, then cancel the job: it
+    resumes from its last checkpoint."""
     line = (
         f"oobleck: job {job_id} ends now: {lost}. The batch host ran the job's coordinator and store; "
         "cancelling the job (scancel) rather than leaving its nodes idle until its time limit"
@@ -101,18 +112,6 @@ def _append_once(path: Path, line: str) -> None:
         f.seek(max(0, f.seek(0, os.SEEK_END) - 65536))
         if line.split(":", 2)[1] not in f.read():
             f.write("\n" + line + "\n")
-
-
-def _coordinator_lost(error: BaseException) -> CoordinatorLost | None:
-    """The :class:`CoordinatorLost` that ``error`` is, or was raised from (Lightning re-raises, a script may
-    wrap), if any."""
-    seen: set[int] = set()
-    while error is not None and id(error) not in seen:
-        if isinstance(error, CoordinatorLost):
-            return error
-        seen.add(id(error))
-        error = error.__cause__ or error.__context__
-    return None
 
 
 @dataclass(frozen=True)
