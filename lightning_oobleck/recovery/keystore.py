@@ -238,11 +238,13 @@ class KeyStoreServer:
         for line in lines:
             try:
                 message = json.loads(line)
-            except json.JSONDecodeError:
+            except (json.JSONDecodeError, UnicodeDecodeError):
+                message = None
+            if not isinstance(message, dict):  # anything else would end this thread, the job's store
                 self._refuse(client, "not a key store message")
                 return
             if not client.authenticated:
-                secret = message.get("secret") if isinstance(message, dict) else None
+                secret = message.get("secret")
                 if message.get("op") != "hello" or not isinstance(secret, str):
                     self._refuse(client, "present the job's secret first")
                     return

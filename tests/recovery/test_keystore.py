@@ -70,7 +70,7 @@ def test_waits_are_answered_by_the_write_that_completes_them_or_time_out() -> No
     assert table.request(6, {"op": "add", "key": "n", "amount": 1}, 2.1) == [(6, {"value": 1}), (5, {})]
 
 
-def _raw(port: int, *messages: dict) -> list[dict | None]:
+def _raw(port: int, *messages: object) -> list[dict | None]:
     """A client that speaks the store's wire without the client class: the answers to ``messages``."""
     answers: list[dict | None] = []
     with socket.create_connection(("127.0.0.1", port), timeout=5) as sock:
@@ -102,6 +102,8 @@ def test_a_client_without_the_secret_reads_nothing_writes_nothing_and_holds_up_n
                 server.port, {"op": "hello", "secret": "guess"}, {"op": "set", "key": "go", "value": "eA=="}
             ),
             _raw(server.port, {"op": "hello", "secret": SECRET[:-1]}),
+            _raw(server.port, ["not", "an", "object"]),  # once ended the server's thread
+            _raw(server.port, "hello"),
         ]
         for answers in strangers:
             assert answers[0] is not None and answers[0]["error"].startswith("refused")
