@@ -574,7 +574,7 @@ def _user_exception(workdir: Path, report: LaunchReport) -> BaseException:
             (r for r in report.errors if not isinstance(read_exception(workdir, r), _CANNOT_GO_ON)), None
         )
         if cause is None:
-            return error
+            return _earliest_view(workdir, report, error)
         consequence, rank = error, cause
         error = read_exception(workdir, rank)
     else:
@@ -588,6 +588,15 @@ def _user_exception(workdir: Path, report: LaunchReport) -> BaseException:
     if hasattr(error, "add_note"):  # Python 3.11+
         error.add_note(note)
     return error
+
+
+def _earliest_view(workdir: Path, report: LaunchReport, error: BaseException) -> BaseException:
+    """Of the :class:`StartFailure` s that survivors raised, the one naming the fewest lost nodes (the others
+    saw the first survivor's stop as one more loss); ``error`` when it is of another kind."""
+    if not isinstance(error, StartFailure):
+        return error
+    views = [read_exception(workdir, r) for r in report.errors]
+    return min((e for e in views if isinstance(e, StartFailure)), key=lambda e: len(e.lost), default=error)
 
 
 def _describe_exit(exitcode: int, error: str | None) -> str:

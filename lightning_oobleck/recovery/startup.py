@@ -41,7 +41,15 @@ _POLL_S = 0.01
 
 
 class StartFailure(RuntimeError):
-    """The run cannot start: the workers lost before the first step took what the survivors need."""
+    """The run cannot start: the workers lost before the first step took what the survivors need.
+
+    ``lost`` are the nodes this worker saw lost. Every survivor raises it, each from its own view: one that
+    agreed again after another survivor had already stopped counts that survivor among the lost too, so the
+    view naming the fewest nodes is the cause."""
+
+    def __init__(self, message: str, lost: tuple[int, ...] = ()) -> None:
+        super().__init__(message)
+        self.lost = lost
 
 
 class PlanFailure(RuntimeError):
@@ -125,7 +133,8 @@ def _without_lost(plan: Plan, membership: Membership) -> Plan:
     except ReconfigurationError as e:
         raise StartFailure(
             f"node(s) {lost} were lost before training started ({membership.cause}), and the others cannot "
-            f"train without them: {e}"
+            f"train without them: {e}",
+            tuple(lost),
         ) from e
     log.warning(
         "starting without node(s) %s (%s): %d pipeline(s) on %d node(s)",

@@ -108,3 +108,24 @@ def test_a_start_the_survivors_cannot_train_without_ends_at_once_naming_the_lost
             fault_tolerance=0,
         )
     assert time.monotonic() - started < 60
+
+
+def test_of_the_survivors_start_failures_the_caller_gets_the_one_that_names_only_the_lost_node(
+    tmp_path: Path,
+) -> None:
+    """Survivors raise :class:`StartFailure` each from its own view: one that agreed again after another had
+    already stopped counts it as lost too. The error raised in the caller names only the node really lost,
+    whichever survivor ended first (CI saw rank 2's ``[0, 1]`` reach the user)."""
+    from lightning_oobleck.lightning.launcher import LaunchReport, _user_exception
+    from lightning_oobleck.lightning.results import write_worker_error
+
+    views = {2: (0, 1), 0: (1,)}  # rank 2 ended first; rank 0's view is the earlier one
+    for rank, lost in views.items():
+        try:
+            raise StartFailure(f"node(s) {list(lost)} were lost before training started", lost)
+        except StartFailure as e:
+            write_worker_error(tmp_path, rank, e)
+    report = LaunchReport({0: 1, 2: 1}, (), user_error=2, errors=(2, 0))
+    error = _user_exception(tmp_path, report)
+    assert isinstance(error, StartFailure)
+    assert error.lost == (1,) and "node(s) [1] were lost" in str(error)
