@@ -2,8 +2,9 @@
 # Usage: slurm/crash-node.sh DIR NODE
 #
 # Simulates a hard crash of fake node NODE (e.g. node2) of the cluster in DIR (slurm/start-cluster.sh): SIGKILLs
-# at once that node's slurmd, its slurmstepd (found by the node's log file they keep open) and every process in
-# the stepds' sessions (the job's tasks on that node). Nothing is told to SLURM: like a real crash, slurmctld
+# at once that node's slurmd, its slurmstepd (found by the node's log file they keep open), every process in
+# the stepds' sessions (the job's tasks on that node) and every process its slurmd started elsewhere (by their
+# environment: the batch host's rendezvous, in a session of its own). Nothing is told to SLURM: like a real crash, slurmctld
 # only notices that the node went silent (NOT_RESPONDING after ~SlurmdTimeout, DOWN later).
 # Prints "crashed NODE at EPOCH_SECONDS: PIDS". Bring the node back with slurm/restart-node.sh DIR NODE.
 set -u
@@ -21,6 +22,11 @@ pids=$victims
 for v in $victims; do
   sid=$(ps -o sid= -p "$v" | tr -d ' ')
   [ -n "$sid" ] && pids="$pids $(ps -eo pid=,sid= | awk -v s="$sid" '$2 == s { print $1 }')"
+done
+# and whatever else runs "on" the node: processes started by its slurmd (their environment names it), such as
+# the batch host's rendezvous store and coordinator, which detach into their own session
+for p in $(grep -lza "^SLURMD_NODENAME=$NODE$" /proc/[0-9]*/environ 2>/dev/null | cut -d/ -f3); do
+  pids="$pids $p"
 done
 pids=$(echo "$pids" | tr ' ' '\n' | sort -un | tr '\n' ' ')
 # shellcheck disable=SC2086

@@ -39,6 +39,7 @@ import sys
 import threading
 import time
 import weakref
+from collections.abc import Callable
 from typing import Any
 
 from lightning_oobleck.recovery.protocol import (
@@ -65,6 +66,12 @@ class CoordinatorUnreachable(RecoveryError):
 
 class CoordinatorLost(RecoveryError):
     """The connection to the coordinator was lost during the run."""
+
+
+COORDINATOR_LOST_HOOKS: list[Callable[[CoordinatorLost], None]] = []
+"""Called (in a thread of their own) as soon as any agent of this process loses its coordinator, whatever the
+training thread is doing: what must happen even if the training never gets to raise the error (under SLURM,
+:func:`lightning_oobleck.slurm.task.end_job`)."""
 
 
 class RegistrationRefused(RecoveryError):
@@ -227,10 +234,10 @@ class WorkerAgent:
         the coordinator sees a dead worker (which is what a worker that failed is)."""
         if self._closing.is_set() or self._sock is None:
             return
+        self._closing.set()  # first: the coordinator may close the connection as soon as it reads LEAVE
         if finished:
             with contextlib.suppress(OSError):
                 self._send("leave")
-        self._closing.set()
         with contextlib.suppress(OSError):
             self._sock.shutdown(socket.SHUT_RDWR)
         if self._thread is not None:
@@ -441,16 +448,18 @@ class WorkerAgent:
             self.abort.set()
 
     def _lose(self, reason: str) -> None:
-        if self._closing.is_set() or isinstance(self._error, TrainingFinished):
-            return  # closed by this worker, or by the coordinator after it said why
+        if self._closing.is_set() or isinstance(self._error, (TrainingFinished, CoordinatorLost)):
+            return  # closed by this worker, by the coordinator after it said why, or already lost
         with self._cond:
-            self._error = CoordinatorLost(
+            self._error = lost = CoordinatorLost(
                 f"lost the oobleck coordinator at {self.address}: {reason}. Its host is a single point of "
                 "failure (like SLURM's batch host): without it failures can be neither detected nor agreed "
                 "on, so this worker must stop; resume from the last checkpoint (ckpt_path=)"
             )
             self._set_abort()
             self._cond.notify_all()
+        for hook in COORDINATOR_LOST_HOOKS:
+            threading.Thread(target=hook, args=(lost,), name="oobleck-coordinator-lost", daemon=True).start()
 
     def _fence(self, reason: str) -> None:
         node, device = self.worker

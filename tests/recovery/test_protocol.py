@@ -197,6 +197,36 @@ def test_agent_reports_an_unreachable_coordinator_after_a_bounded_retry() -> Non
     assert time.monotonic() - started < 3.0
 
 
+def test_a_worker_that_leaves_never_reports_its_coordinator_lost(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The coordinator closes a worker's connection as soon as it reads LEAVE. The leaving worker must not
+    take that close for the coordinator's loss: under SLURM that loss cancels the job
+    (``COORDINATOR_LOST_HOOKS``), and a finished task did cancel its job while the others still ended their
+    run. Here the thread that leaves is held for a moment after the send, as a pre-empted thread may be."""
+    from lightning_oobleck.recovery import agent as agent_module
+
+    lost: list[BaseException] = []
+    monkeypatch.setattr(agent_module, "COORDINATOR_LOST_HOOKS", [lost.append])
+    coordinator = Coordinator(1, "127.0.0.1", settings=MembershipSettings(heartbeat_timeout=5.0)).start()
+    agent = WorkerAgent((0, 0), coordinator.address).start()
+    try:
+        agent.agree(after=-1, timeout=5.0)
+        send = agent._send
+
+        def send_then_stall(op: str, **fields: Any) -> None:
+            send(op, **fields)
+            if op == "leave":
+                wait_until(lambda: (0, 0) in coordinator.machine.finished, 2.0, "LEAVE to be read")
+                time.sleep(0.2)  # the agent's thread reads the close meanwhile
+
+        monkeypatch.setattr(agent, "_send", send_then_stall)
+        agent.close(finished=True)
+        time.sleep(0.1)
+        assert lost == []
+    finally:
+        agent.close()
+        coordinator.stop()
+
+
 def test_agent_errors_name_the_fix(coordinator: Coordinator, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.delenv(ADDRESS_ENV, raising=False)
     with pytest.raises(ValueError, match=ADDRESS_ENV):
