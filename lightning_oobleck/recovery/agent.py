@@ -69,9 +69,10 @@ class CoordinatorLost(RecoveryError):
 
 
 COORDINATOR_LOST_HOOKS: list[Callable[[CoordinatorLost], None]] = []
-"""Called (in a thread of their own) as soon as any agent of this process loses its coordinator, whatever the
-training thread is doing: what must happen even if the training never gets to raise the error (under SLURM,
-:func:`lightning_oobleck.slurm.task.end_job`)."""
+"""Called as soon as any agent of this process loses its coordinator, whatever the training thread is doing:
+what must happen even if the training never gets to raise the error (under SLURM,
+:func:`lightning_oobleck.slurm.task.end_job`). They run in the agent's thread, so they must return at once:
+slow work goes to a thread of their own."""
 
 
 class RegistrationRefused(RecoveryError):
@@ -459,7 +460,7 @@ class WorkerAgent:
             self._set_abort()
             self._cond.notify_all()
         for hook in COORDINATOR_LOST_HOOKS:
-            threading.Thread(target=hook, args=(lost,), name="oobleck-coordinator-lost", daemon=True).start()
+            hook(lost)
 
     def _fence(self, reason: str) -> None:
         node, device = self.worker

@@ -15,6 +15,7 @@ import fcntl
 import os
 import runpy
 import sys
+import threading
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -71,9 +72,13 @@ def run_script(script: str, args: Sequence[str], join: bool = False) -> None:
         announce_slurm_task()
     lost: list[CoordinatorLost] = []
     if "SLURM_JOB_ID" in os.environ:
-        COORDINATOR_LOST_HOOKS.append(
-            lambda error: (lost.append(error), end_job(os.environ["SLURM_JOB_ID"], error))
-        )
+        job_id = os.environ["SLURM_JOB_ID"]
+
+        def on_lost(error: CoordinatorLost) -> None:
+            lost.append(error)  # at once: the script may end before the thread does, and then ends the job
+            threading.Thread(target=end_job, args=(job_id, error), daemon=True).start()
+
+        COORDINATOR_LOST_HOOKS.append(on_lost)
     sys.argv = [script, *args]
     sys.path.insert(0, str(Path(script).parent))
     try:
@@ -81,8 +86,8 @@ def run_script(script: str, args: Sequence[str], join: bool = False) -> None:
     except TrainingFinished as e:
         print(f"oobleck: {e}: nothing to do", file=sys.stderr)
     finally:
-        if lost:  # again, here: the script may end (and the process with it) before the hook's thread did
-            end_job(os.environ["SLURM_JOB_ID"], lost[0])
+        if lost:  # again, here: the process may end before the hook's thread did
+            end_job(job_id, lost[0])
 
 
 def end_job(job_id: str, lost: CoordinatorLost) -> None:
@@ -96,13 +101,14 @@ def end_job(job_id: str, lost: CoordinatorLost) -> None:
         f"oobleck: job {job_id} ends now: {lost}. The batch host ran the job's coordinator and store; "
         "cancelling the job (scancel) rather than leaving its nodes idle until its time limit"
     )
-    print(line, file=sys.stderr, flush=True)
     with contextlib.suppress(Exception):  # the reason is best effort; the cancel is what matters
         output = cluster.job_fields(job_id).get("StdOut", "")
         if output and Path(output).is_file():
             _append_once(Path(output), line)
     with contextlib.suppress(Exception):
         cluster.run("scancel", job_id)
+    # Last: the task's stderr went to the lost srun, and a write to it may block once its pipe is full.
+    print(line, file=sys.stderr, flush=True)
 
 
 def _append_once(path: Path, line: str) -> None:

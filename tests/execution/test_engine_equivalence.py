@@ -143,16 +143,26 @@ SPLIT_LAYOUTS = {
 }
 
 
-@pytest.mark.timeout(300)
-@pytest.mark.parametrize("schedule", SCHEDULE_NAMES)
+SPLIT_CASES = [(schedule, name) for schedule in SCHEDULE_NAMES for name in SPLIT_LAYOUTS]
+FAST_SPLIT_CASES = {
+    ("1f1b", "pipelines of 1 and 2 nodes"),
+    ("zb-h1", "pipelines of 1 and 2 nodes, recomputing"),
+}
+"""The cases ``tox -e fast`` runs (each takes about 8 s here: DTensor dispatches on 6 processes, 2 cores)."""
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize(
+    ("schedule", "name"),
+    [pytest.param(*case, marks=() if case in FAST_SPLIT_CASES else pytest.mark.slow) for case in SPLIT_CASES],
+)
 def test_stages_over_two_devices_equal_single_process_training(
-    pool: WorkerPool, reference: dict, schedule: str
+    pool: WorkerPool, reference: dict, schedule: str, name: str
 ) -> None:
-    offset = 300 + SCHEDULE_NAMES.index(schedule) * len(SPLIT_LAYOUTS)  # other tests use 0-7, 100, 101, 200
-    for generation, (name, layout) in enumerate(SPLIT_LAYOUTS.items(), start=offset):
-        plan = dataclasses.replace(layout, schedule=schedule)
-        results = run_layout(pool, plan, generation, 4096 if generation % 2 else DEFAULT_BUCKET_CAP_BYTES)
-        check_equal_to_reference(results, plan, reference, name)
+    generation = 300 + SPLIT_CASES.index((schedule, name))  # other tests use 0-7, 100, 101, 200
+    plan = dataclasses.replace(SPLIT_LAYOUTS[name], schedule=schedule)
+    results = run_layout(pool, plan, generation, 4096 if generation % 2 else DEFAULT_BUCKET_CAP_BYTES)
+    check_equal_to_reference(results, plan, reference, name)
 
 
 @pytest.mark.timeout(120)

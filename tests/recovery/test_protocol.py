@@ -172,14 +172,21 @@ def test_a_member_that_never_reaches_the_barrier_is_declared_dead(coordinator: C
     assert coordinator.history[0].agreed_at is None
 
 
-def test_agent_agrees_and_loses_the_coordinator_with_a_clear_error() -> None:
+def test_agent_agrees_and_loses_the_coordinator_with_a_clear_error(monkeypatch: pytest.MonkeyPatch) -> None:
+    from lightning_oobleck.recovery import agent as agent_module
+
+    lost: list[
+        BaseException
+    ] = []  # what SLURM's tasks hook there ends the job (lightning_oobleck.slurm.task)
+    monkeypatch.setattr(agent_module, "COORDINATOR_LOST_HOOKS", [lost.append])
     coordinator = Coordinator(1, "127.0.0.1", settings=MembershipSettings(heartbeat_timeout=5.0)).start()
     agent = WorkerAgent((0, 0), coordinator.address).start()
     try:
         membership = agent.agree(after=-1, timeout=5.0)
         assert (membership.generation, membership.workers, agent.abort.is_set()) == (0, (W(0, 0),), False)
         coordinator.stop()
-        wait_until(agent.abort.is_set, 2.0, "the agent to notice the coordinator's loss")
+        wait_until(lambda: lost, 2.0, "the agent to notice the coordinator's loss")
+        assert agent.abort.is_set() and len(lost) == 1 and isinstance(lost[0], CoordinatorLost)
         with pytest.raises(CoordinatorLost, match="single point of failure"):
             agent.agree(after=0, timeout=2.0)
     finally:
