@@ -39,7 +39,6 @@ import sys
 import threading
 import time
 import weakref
-from collections.abc import Callable
 from typing import Any
 
 from lightning_oobleck.recovery.protocol import (
@@ -66,13 +65,6 @@ class CoordinatorUnreachable(RecoveryError):
 
 class CoordinatorLost(RecoveryError):
     """The connection to the coordinator was lost during the run."""
-
-
-COORDINATOR_LOST_HOOKS: list[Callable[[CoordinatorLost], None]] = []
-"""Called as soon as any agent of this process loses its coordinator, whatever the training thread is doing:
-what must happen even if the training never gets to raise the error (under SLURM,
-:func:`lightning_oobleck.slurm.task.end_job`). They run in the agent's thread, so they must return at once:
-slow work goes to a thread of their own."""
 
 
 class RegistrationRefused(RecoveryError):
@@ -449,18 +441,16 @@ class WorkerAgent:
             self.abort.set()
 
     def _lose(self, reason: str) -> None:
-        if self._closing.is_set() or isinstance(self._error, (TrainingFinished, CoordinatorLost)):
-            return  # closed by this worker, by the coordinator after it said why, or already lost
+        if self._closing.is_set() or isinstance(self._error, TrainingFinished):
+            return  # closed by this worker, or by the coordinator after it said why
         with self._cond:
-            self._error = lost = CoordinatorLost(
+            self._error = CoordinatorLost(
                 f"lost the oobleck coordinator at {self.address}: {reason}. Its host is a single point of "
                 "failure (like SLURM's batch host): without it failures can be neither detected nor agreed "
                 "on, so this worker must stop; resume from the last checkpoint (ckpt_path=)"
             )
             self._set_abort()
             self._cond.notify_all()
-        for hook in COORDINATOR_LOST_HOOKS:
-            hook(lost)
 
     def _fence(self, reason: str) -> None:
         node, device = self.worker

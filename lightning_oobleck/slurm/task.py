@@ -11,23 +11,15 @@ line instead of once per task.
 from __future__ import annotations
 
 import contextlib
-import fcntl
 import os
 import runpy
 import sys
-import threading
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from lightning_oobleck.recovery.agent import (
-    COORDINATOR_LOST_HOOKS,
-    CoordinatorLost,
-    TrainingFinished,
-    announce_presence,
-)
+from lightning_oobleck.recovery.agent import TrainingFinished, announce_presence
 from lightning_oobleck.recovery.protocol import NODE_KEY_ENV
-from lightning_oobleck.slurm import cluster
 
 MODULE = "lightning_oobleck.slurm.task"
 """The entry point's module name (stable: batch scripts name it)."""
@@ -70,54 +62,12 @@ def run_script(script: str, args: Sequence[str], join: bool = False) -> None:
         os.environ[NODE_KEY_ENV] = f"{os.environ['SLURM_JOB_ID']}.{os.environ['SLURM_NODEID']}"
     else:
         announce_slurm_task()
-    lost: list[CoordinatorLost] = []
-    if "SLURM_JOB_ID" in os.environ:
-        job_id = os.environ["SLURM_JOB_ID"]
-
-        def on_lost(error: CoordinatorLost) -> None:
-            lost.append(error)  # at once: the script may end before the thread does, and then ends the job
-            threading.Thread(target=end_job, args=(job_id, error), daemon=True).start()
-
-        COORDINATOR_LOST_HOOKS.append(on_lost)
     sys.argv = [script, *args]
     sys.path.insert(0, str(Path(script).parent))
     try:
         runpy.run_path(script, run_name="__main__")
     except TrainingFinished as e:
         print(f"oobleck: {e}: nothing to do", file=sys.stderr)
-    finally:
-        if lost:  # again, here: the process may end before the hook's thread did
-            end_job(job_id, lost[0])
-
-
-def end_job(job_id: str, lost: CoordinatorLost) -> None:
-    """The job's batch host is gone with the coordinator and the store it ran (this task's agent lost its
-    coordinator: :data:`~lightning_oobleck.recovery.agent.COORDINATOR_LOST_HOOKS`, as soon as it happens,
-    wherever the training is): no failure can be detected or agreed on any more, and SLURM would keep the
-    job RUNNING, its nodes idle, until ``--time``. Say why in the job's output file (the survivors' own
-    output went to the lost batch host's ``srun``), once whichever tasks get here, then cancel the job: it
-    resumes from its last checkpoint."""
-    line = (
-        f"oobleck: job {job_id} ends now: {lost}. The batch host ran the job's coordinator and store; "
-        "cancelling the job (scancel) rather than leaving its nodes idle until its time limit"
-    )
-    with contextlib.suppress(Exception):  # the reason is best effort; the cancel is what matters
-        output = cluster.job_fields(job_id).get("StdOut", "")
-        if output and Path(output).is_file():
-            _append_once(Path(output), line)
-    with contextlib.suppress(Exception):
-        cluster.run("scancel", job_id)
-    # Last: the task's stderr went to the lost srun, and a write to it may block once its pipe is full.
-    print(line, file=sys.stderr, flush=True)
-
-
-def _append_once(path: Path, line: str) -> None:
-    """Append ``line`` to ``path`` unless another task of the job did (under a lock)."""
-    with open(path, "a+") as f:
-        fcntl.flock(f, fcntl.LOCK_EX)
-        f.seek(max(0, f.seek(0, os.SEEK_END) - 65536))
-        if line.split(":", 2)[1] not in f.read():
-            f.write("\n" + line + "\n")
 
 
 @dataclass(frozen=True)
