@@ -19,7 +19,6 @@ from __future__ import annotations
 import json
 import logging
 import threading
-import time
 from collections.abc import Callable
 from datetime import timedelta
 
@@ -31,13 +30,11 @@ from lightning_oobleck.planning.plan import Plan
 from lightning_oobleck.planning.reconfigure import ReconfigurationError, after_failures
 from lightning_oobleck.recovery.agent import WorkerAgent
 from lightning_oobleck.recovery.protocol import Membership
-from lightning_oobleck.recovery.store import wait_for_members
+from lightning_oobleck.recovery.store import wait_for_keys, wait_for_members
 
 log = logging.getLogger(__name__)
 
 PLAN_KEY = "oobleck/plan"
-
-_POLL_S = 0.01
 
 
 class StartFailure(RuntimeError):
@@ -71,16 +68,15 @@ def publish_plan(store: dist.Store, make_plan: Callable[[], Plan], who: str = "r
 
 def read_plan(store: dist.Store, timeout_s: float, abort: threading.Event | None = None) -> Plan | None:
     """The published plan; ``None`` if ``abort`` was set first (a worker was lost: agree again)."""
-    deadline = time.monotonic() + timeout_s
-    while not store.check([PLAN_KEY]):
+    try:  # answered by the store when the plan is published
+        wait_for_keys(store, [PLAN_KEY], abort, timedelta(seconds=timeout_s), "the plan")
+    except PeerFailure:
         if abort is not None and abort.is_set():
             return None
-        if time.monotonic() > deadline:
-            raise TimeoutError(
-                f"no plan was published within plan_timeout_s={timeout_s:g} s: did the worker that makes it "
-                "(the lowest rank) start? Raise plan_timeout_s if profiling the model takes longer"
-            )
-        time.sleep(_POLL_S)
+        raise TimeoutError(
+            f"no plan was published within plan_timeout_s={timeout_s:g} s: did the worker that makes it "
+            "(the lowest rank) start? Raise plan_timeout_s if profiling the model takes longer"
+        ) from None
     return _parse(store.get(PLAN_KEY))
 
 

@@ -129,3 +129,31 @@ def test_of_the_survivors_start_failures_the_caller_gets_the_one_that_names_only
     error = _user_exception(tmp_path, report)
     assert isinstance(error, StartFailure)
     assert error.lost == (1,) and "node(s) [1] were lost" in str(error)
+
+
+def test_read_plan_is_answered_by_the_publication_stops_on_abort_and_times_out_by_name() -> None:
+    """Workers that wait for the plan wait on the store (answered when it is published, not by polling);
+    a lost worker's abort ends the wait at once, and no plan at all is one error that names the setting."""
+    import threading
+    from datetime import timedelta
+
+    import torch.distributed as dist
+    from dist_harness import plan_from_splits
+
+    from lightning_oobleck.recovery.startup import publish_plan, read_plan
+
+    plan = plan_from_splits([[(0, 2), (2, 4)]], [4], 1)
+    store = dist.HashStore()
+    store.set_timeout(timedelta(seconds=30))
+    threading.Timer(0.3, publish_plan, (store, lambda: plan)).start()
+    started = time.monotonic()
+    assert read_plan(store, 10.0) == plan
+    assert 0.3 <= time.monotonic() - started < 2.0
+
+    empty, abort = dist.HashStore(), threading.Event()
+    threading.Timer(0.3, abort.set).start()
+    started = time.monotonic()
+    assert read_plan(empty, 10.0, abort) is None
+    assert time.monotonic() - started < 2.0
+    with pytest.raises(TimeoutError, match=r"plan_timeout_s=0.5 s"):
+        read_plan(dist.HashStore(), 0.5)
