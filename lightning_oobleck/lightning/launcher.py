@@ -595,8 +595,8 @@ def _earliest_view(workdir: Path, report: LaunchReport, error: BaseException) ->
     saw the first survivor's stop as one more loss); ``error`` when it is of another kind."""
     if not isinstance(error, StartFailure):
         return error
-    views = [read_exception(workdir, r) for r in report.errors]
-    return min((e for e in views if isinstance(e, StartFailure)), key=lambda e: len(e.lost), default=error)
+    views = [e for e in (read_exception(workdir, r) for r in report.errors) if isinstance(e, StartFailure)]
+    return min([error, *views], key=lambda e: len(e.lost))
 
 
 def _describe_exit(exitcode: int, error: str | None) -> str:

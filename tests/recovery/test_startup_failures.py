@@ -19,6 +19,7 @@ from typing import Any
 
 import pytest
 import torch
+import torch.distributed as dist
 from test_realistic_loop import LoopFaults, RealisticNet, check_loop, fit_loop
 from test_realistic_loop import loop_reference as loop_reference  # the fixture
 
@@ -137,23 +138,32 @@ def test_read_plan_is_answered_by_the_publication_stops_on_abort_and_times_out_b
     import threading
     from datetime import timedelta
 
-    import torch.distributed as dist
     from dist_harness import plan_from_splits
 
+    from lightning_oobleck.recovery.keystore import KeyStoreClient, KeyStoreServer
     from lightning_oobleck.recovery.startup import publish_plan, read_plan
 
     plan = plan_from_splits([[(0, 2), (2, 4)]], [4], 1)
-    store = dist.HashStore()
-    store.set_timeout(timedelta(seconds=30))
-    threading.Timer(0.3, publish_plan, (store, lambda: plan)).start()
-    started = time.monotonic()
-    assert read_plan(store, 10.0) == plan
-    assert 0.3 <= time.monotonic() - started < 2.0
+    server = KeyStoreServer("secret").start()  # the job's store, as the workers reach it
+    try:
+        clients = []  # a Python store inside a PrefixStore must stay referenced (torch holds no reference)
 
-    empty, abort = dist.HashStore(), threading.Event()
-    threading.Timer(0.3, abort.set).start()
-    started = time.monotonic()
-    assert read_plan(empty, 10.0, abort) is None
-    assert time.monotonic() - started < 2.0
-    with pytest.raises(TimeoutError, match=r"plan_timeout_s=0.5 s"):
-        read_plan(dist.HashStore(), 0.5)
+        def client(prefix: str) -> dist.Store:
+            clients.append(KeyStoreClient("127.0.0.1", server.port, "secret", timedelta(seconds=30)))
+            return dist.PrefixStore(prefix, clients[-1])
+
+        store = client("published")
+        threading.Timer(0.3, publish_plan, (store, lambda: plan)).start()
+        started = time.monotonic()
+        assert read_plan(store, 10.0) == plan
+        assert 0.3 <= time.monotonic() - started < 2.0
+
+        abort = threading.Event()
+        threading.Timer(0.3, abort.set).start()
+        started = time.monotonic()
+        assert read_plan(client("aborted"), 10.0, abort) is None
+        assert time.monotonic() - started < 2.0
+        with pytest.raises(TimeoutError, match=r"plan_timeout_s=0.5 s"):
+            read_plan(client("never"), 0.5)
+    finally:
+        server.stop()
