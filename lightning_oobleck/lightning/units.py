@@ -369,6 +369,8 @@ class LightningLoop:
             committed_path, missing = _broadcast_object(engine, verdict, 0)
             if missing:
                 shutil.rmtree(partial, ignore_errors=True)
+                # The first worker to raise ends the run: none does before every staging directory is gone.
+                groups.all_reduce(torch.zeros(1, device=engine.device), engine.abort)
                 raise CheckpointError(
                     f"checkpoint {committed_path} was not saved: the shards of worker(s) "
                     f"{', '.join(missing)} are missing from it. Every worker must save to the same path on "
