@@ -5,8 +5,6 @@ from __future__ import annotations
 
 import json
 import re
-import subprocess
-import sys
 import time
 from datetime import timedelta
 from pathlib import Path
@@ -14,6 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed as dist
+from dist_harness import ScriptProcess, plan_from_splits
 
 import lightning_oobleck
 
@@ -27,8 +26,8 @@ def _abort_with_a_silent_peer(tmp_path: Path, backend: str, world: int) -> list[
     )
     outs = [tmp_path / f"rank{r}.json" for r in range(world)]
     procs = [
-        subprocess.Popen(
-            [sys.executable, str(WORKER), str(r), str(world), str(store.port), backend, str(out)]
+        ScriptProcess(
+            WORKER, [str(r), str(world), str(store.port), backend, str(out)], out.with_suffix(".log")
         )
         for r, out in enumerate(outs)
     ]
@@ -106,9 +105,6 @@ def test_a_generation_hands_out_a_device_mesh_over_its_world() -> None:
 
     from lightning_oobleck.execution import ProcessGroups
     from lightning_oobleck.planning.plan import Plan
-
-    sys.path.insert(0, str(Path(__file__).parents[1]))
-    from dist_harness import plan_from_splits
 
     plan: Plan = plan_from_splits([[(0, 2)]], [1], 1)
     groups = ProcessGroups(plan, (0, 0), dist.HashStore(), generation=0)

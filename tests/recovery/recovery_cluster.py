@@ -10,12 +10,12 @@ from __future__ import annotations
 import json
 import os
 import signal
-import subprocess
-import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
+
+from dist_harness import ScriptProcess
 
 from lightning_oobleck.recovery import Coordinator, Membership, Worker
 from lightning_oobleck.recovery.keystore import KeyStoreServer
@@ -60,15 +60,13 @@ class Cluster:
             ),
         ).start()
         self.store = KeyStoreServer(STORE_SECRET).start()
-        self.procs: dict[Worker, subprocess.Popen[bytes]] = {}
+        self.procs: dict[Worker, ScriptProcess] = {}
         for worker in workers:
             self.spawn(Worker(*worker), (worker_args or {}).get(worker, []))
 
     def spawn(self, worker: Worker, args: list[str] | None = None) -> None:
         """Start the process of ``worker`` (at any time: after the start, it joins the run)."""
         command = [
-            sys.executable,
-            str(WORKER_SCRIPT),
             f"--coordinator={self.coordinator.address}",
             f"--store-port={self.store.port}",
             f"--store-secret={STORE_SECRET}",
@@ -79,8 +77,8 @@ class Cluster:
             f"--events={self.events_file}",
             *(args or []),
         ]
-        with open(self.directory / f"worker-{worker.node}-{worker.device}.log", "wb") as log:
-            self.procs[worker] = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT)
+        log = self.directory / f"worker-{worker.node}-{worker.device}.log"
+        self.procs[worker] = ScriptProcess(WORKER_SCRIPT, command, log)
 
     def __enter__(self) -> Cluster:
         return self

@@ -11,8 +11,6 @@ from __future__ import annotations
 import dataclasses
 import json
 import signal
-import subprocess
-import sys
 import time
 from datetime import timedelta
 from pathlib import Path
@@ -20,6 +18,7 @@ from typing import Any
 
 import pytest
 import torch
+from dist_harness import ScriptProcess
 from execution.exec_workloads import CPU, SEED, global_batch, model, optimizer
 from gpt.model import gpt_loss
 
@@ -115,12 +114,10 @@ def run_training(
             heartbeat_timeout=3.0, settle_s=0.2, agreement_timeout=30.0, kill_fenced=True
         ),
     ).start()
-    procs: dict[int | str, subprocess.Popen[bytes]] = {}
+    procs: dict[int | str, ScriptProcess] = {}
 
     def start(label: int | str, position: list[str], worker_faults: Any) -> None:
         command = [
-            sys.executable,
-            str(WORKER),
             f"--coordinator={coordinator.address}",
             f"--store-port={store.port}",
             f"--store-secret={STORE_SECRET}",
@@ -134,8 +131,7 @@ def run_training(
             f"--step-sleep={step_sleep}",
             *(f"--fault={f}" for f in worker_faults),
         ]
-        with open(tmp_path / f"node{label}.log", "wb") as log:
-            procs[label] = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT)
+        procs[label] = ScriptProcess(WORKER, command, tmp_path / f"node{label}.log")
 
     def applied(step: int, labels: Any = None) -> bool:
         """Whether any of ``labels`` (every worker by default) applied step ``step`` or a later one."""
