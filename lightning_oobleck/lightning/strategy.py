@@ -832,6 +832,6 @@ def _shuffles(loader: DataLoader) -> bool:
     return sampler.shuffle if isinstance(sampler, DistributedSampler) else is_dataloader_shuffled(loader)
 
 
-def _connect_store(environment: OobleckEnvironment, config: OobleckConfig) -> dist.Store:
+def _connect_store(environment: OobleckEnvironment, config: OobleckConfig) -> KeyStoreClient:
     host, port = environment.store_address
     return KeyStoreClient(host, port, environment.secret, timeout=timedelta(seconds=config.plan_timeout_s))
