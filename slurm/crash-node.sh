@@ -29,6 +29,22 @@ for p in $(grep -lza "^SLURMD_NODENAME=$NODE$" /proc/[0-9]*/environ 2>/dev/null 
   pids="$pids $p"
 done
 pids=$(echo "$pids" | tr ' ' '\n' | sort -un | tr '\n' ' ')
+# A crash takes every process of the node at once: none may act on the death of another. Killed one after
+# the other, they do: srun, its parent gone, got SIGHUP ("srun: forcing job termination") and had every
+# other node's tasks killed. So they are frozen together first (the cgroup freezer), killed while frozen,
+# and die as they thaw, before any of them runs again. Without a writable freezer: one kill after another.
+freezer=/sys/fs/cgroup/freezer
+cg=$freezer/oobleck-crash-$NODE-$$
+if [ -w "$freezer" ] && mkdir "$cg" 2>/dev/null; then
+  for p in $pids; do echo "$p" > "$cg/cgroup.procs" 2>/dev/null; done
+  echo FROZEN > "$cg/freezer.state"
+  for _ in $(seq 100); do [ "$(cat "$cg/freezer.state")" = FROZEN ] && break; sleep 0.01; done
+fi
 # shellcheck disable=SC2086
 kill -9 $pids 2>/dev/null
+if [ -d "$cg" ]; then
+  echo THAWED > "$cg/freezer.state"
+  for _ in $(seq 100); do [ -z "$(cat "$cg/cgroup.procs")" ] && break; sleep 0.01; done
+  rmdir "$cg" 2>/dev/null
+fi
 echo "crashed $NODE at $(date +%s.%N): $pids"

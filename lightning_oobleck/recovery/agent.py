@@ -441,10 +441,11 @@ class WorkerAgent:
             self.abort.set()
 
     def _lose(self, reason: str) -> None:
+        global _lost_coordinator
         if self._closing.is_set() or isinstance(self._error, TrainingFinished):
             return  # closed by this worker, or by the coordinator after it said why
         with self._cond:
-            self._error = CoordinatorLost(
+            self._error = _lost_coordinator = CoordinatorLost(
                 f"lost the oobleck coordinator at {self.address}: {reason}. Its host is a single point of "
                 "failure (like SLURM's batch host): without it failures can be neither detected nor agreed "
                 "on, so this worker must stop; resume from the last checkpoint (ckpt_path=)"
@@ -463,6 +464,13 @@ class WorkerAgent:
 
 
 _process_agent: WorkerAgent | None = None
+_lost_coordinator: CoordinatorLost | None = None
+
+
+def lost_coordinator() -> CoordinatorLost | None:
+    """The loss of its coordinator that an agent of this process saw, if one did: for what must happen after
+    the training whatever it raised, and once its agent is closed (a SLURM task ends the job)."""
+    return _lost_coordinator
 
 
 def process_agent(worker: Worker, **kwargs: Any) -> WorkerAgent:

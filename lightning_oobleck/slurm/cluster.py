@@ -86,6 +86,12 @@ def job_records(job_id: str) -> list[JobRecord]:
     return records
 
 
+def job_fields(job_id: str) -> dict[str, str]:
+    """``scontrol show job``'s fields of ``job_id`` (``StdOut``, ``BatchHost``, ``JobState``...)."""
+    line = run("scontrol", "show", "job", job_id, "--oneliner")
+    return dict(token.split("=", 1) for token in line.split() if "=" in token)
+
+
 def expand_hostlist(hostlist: str) -> list[str]:
     """``node[1-3]`` -> ``['node1', 'node2', 'node3']`` (SLURM's own expansion, in SLURM's order)."""
     return run("scontrol", "show", "hostnames", hostlist).split()

@@ -11,15 +11,23 @@ line instead of once per task.
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import os
 import runpy
+import socket
 import sys
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from lightning_oobleck.recovery.agent import TrainingFinished, announce_presence
-from lightning_oobleck.recovery.protocol import NODE_KEY_ENV
+from lightning_oobleck.recovery.agent import (
+    CoordinatorLost,
+    TrainingFinished,
+    announce_presence,
+    lost_coordinator,
+)
+from lightning_oobleck.recovery.protocol import ADDRESS_ENV, NODE_KEY_ENV, parse_address
+from lightning_oobleck.slurm import cluster
 
 MODULE = "lightning_oobleck.slurm.task"
 """The entry point's module name (stable: batch scripts name it)."""
@@ -27,6 +35,10 @@ TTY_COMPATIBLE_ENV = "TTY_COMPATIBLE"
 """``0``: the output is no terminal, whatever ``isatty()`` says (``srun --unbuffered`` gives the tasks a
 pseudo-terminal that ends in the job's output file). Rich reads it; so does
 :func:`~lightning_oobleck.lightning.console.output_is_terminal`."""
+
+
+_PROBE_TIMEOUT_S = 5.0
+"""How long a failed task waits for the coordinator to take a connection (a crashed host never refuses)."""
 
 
 def announce_slurm_task() -> bool:
@@ -68,6 +80,55 @@ def run_script(script: str, args: Sequence[str], join: bool = False) -> None:
         runpy.run_path(script, run_name="__main__")
     except TrainingFinished as e:
         print(f"oobleck: {e}: nothing to do", file=sys.stderr)
+    except BaseException:
+        if "SLURM_JOB_ID" in os.environ and (lost := batch_host_lost()) is not None:
+            end_job(os.environ["SLURM_JOB_ID"], lost)
+        raise
+
+
+def batch_host_lost() -> CoordinatorLost | None:
+    """Why the job's batch host is gone, if it is: this process's agent lost its coordinator, or (the agent
+    was closed first, by the failure the loss caused) the coordinator no longer takes connections. It serves
+    until the batch script ends, which is after every task: while a task runs, a coordinator that does not
+    answer is a lost batch host."""
+    if (lost := lost_coordinator()) is not None:
+        return lost
+    address = os.environ.get(ADDRESS_ENV)
+    if not address:
+        return None
+    try:
+        socket.create_connection(parse_address(address), timeout=_PROBE_TIMEOUT_S).close()
+    except OSError as e:
+        return CoordinatorLost(f"lost the oobleck coordinator at {address}: it takes no connection ({e})")
+    return None
+
+
+def end_job(job_id: str, lost: CoordinatorLost) -> None:
+    """The job's batch host is gone with the coordinator and the store it ran (this task's agent lost its
+    coordinator): no failure can be detected or agreed on any more, and SLURM would keep the job RUNNING, its
+    nodes idle, until ``--time``. Say why in the job's output file (the survivors' own output went to the
+    lost batch host's ``srun``), once whichever tasks get here, then cancel the job: it resumes from its last
+    checkpoint."""
+    line = (
+        f"oobleck: job {job_id} ends now: {lost}. The batch host ran the job's coordinator and store; "
+        "cancelling the job (scancel) rather than leaving its nodes idle until its time limit"
+    )
+    with contextlib.suppress(Exception):  # the reason is best effort; the cancel is what matters
+        output = cluster.job_fields(job_id).get("StdOut", "")
+        if output and Path(output).is_file():
+            _append_once(Path(output), line)
+    with contextlib.suppress(Exception):
+        cluster.run("scancel", job_id)
+    print(line, file=sys.stderr, flush=True)
+
+
+def _append_once(path: Path, line: str) -> None:
+    """Append ``line`` to ``path`` unless another task of the job did (under a lock)."""
+    with open(path, "a+") as f:
+        fcntl.flock(f, fcntl.LOCK_EX)
+        f.seek(max(0, f.seek(0, os.SEEK_END) - 65536))
+        if line.split(":", 2)[1] not in f.read():
+            f.write("\n" + line + "\n")
 
 
 @dataclass(frozen=True)

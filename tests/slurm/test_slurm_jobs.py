@@ -37,7 +37,7 @@ from lightning_oobleck import cli
 from lightning_oobleck.cli import CliError
 from lightning_oobleck.cli import submit as submit_cli
 from lightning_oobleck.execution.checkpoint import load_sharded_model
-from lightning_oobleck.slurm.cluster import TERMINAL_STATES, JobRecord, job_records, run
+from lightning_oobleck.slurm.cluster import TERMINAL_STATES, JobRecord, job_fields, job_records, run
 from lightning_oobleck.slurm.config import SubmitConfig, SubmitConfigError
 from lightning_oobleck.slurm.submit import collect, submit, wait
 
@@ -367,6 +367,35 @@ def test_sbatch_template_survives_a_real_node_crash_with_the_reference_weights(
         _assert_reference_weights(out, reference)
     finally:
         cluster.restart(victim)
+
+
+@pytest.mark.timeout(300)
+def test_a_crashed_batch_host_ends_the_job_at_once_and_says_why(cluster: Cluster, tmp_path: Path) -> None:
+    """The batch host runs the coordinator and the store, which have no standby yet: when its node crashes
+    mid-run the survivors cancel the job instead of leaving it RUNNING, with idle nodes, until its time
+    limit, and the job's output file says why (their own output went to the lost batch host's srun)."""
+    out = tmp_path / "out"
+    out.mkdir()
+    job_id = _sbatch(tmp_path, ["--nodes=3", "--time=5"], [str(EXAMPLE), *training_args(out)]).stdout.strip()
+    _wait_for_step(out, CRASH_AT_STEP, job_id)
+    batch_host = job_fields(job_id)["BatchHost"]
+    watch = DownWatch(cluster, batch_host)
+    crashed_at = cluster.crash(batch_host)
+    watch.start()
+    try:
+        last_step = max(e["step"] for e in events(out) if e["kind"] == "step")
+        assert last_step < STEPS, "the crash came after the last step: the test proves nothing"
+        records = _wait_for_end(job_id, timeout_s=90)
+        ended_after_s = time.time() - crashed_at
+        assert records[-1].state == "CANCELLED", records
+        assert ended_after_s < 60, f"the job ended {ended_after_s:.0f} s after its batch host, not at once"
+        output = (tmp_path / f"oobleck-{job_id}.out").read_text(errors="replace")
+        reason = f"oobleck: job {job_id} ends now: lost the oobleck coordinator"
+        assert output.count(reason) == 1, output[-3000:]  # once, whichever survivors said it
+        _assert_no_process_outlives(job_id)
+    finally:
+        watch.join(timeout=90)  # brought back before SLURM called it DOWN, it would be called DOWN after
+        cluster.restart(batch_host)
 
 
 @pytest.mark.timeout(240)
