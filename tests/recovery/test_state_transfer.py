@@ -339,7 +339,9 @@ def copy_while_a_peer_dies(store: Any, state: dict, victim: int) -> dict[str, An
 
 
 @pytest.mark.timeout(120)
-@pytest.mark.parametrize("victim", [1, 2], ids=["a-source", "the-receiver"])
+@pytest.mark.parametrize(
+    "victim", [pytest.param(1, marks=pytest.mark.slow), 2], ids=["a-source", "the-receiver"]
+)
 def test_a_worker_killed_mid_copy_fails_the_copy_and_leaves_the_others_state_untouched(victim: int) -> None:
     """Real SIGKILL with chunks in flight: each survivor's copy raises ``PeerFailure`` (the recovery then
     starts over with the next generation) and its layers and optimizer state are exactly what they were."""

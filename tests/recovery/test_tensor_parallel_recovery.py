@@ -25,6 +25,7 @@ def pool() -> Iterator[WorkerPool]:
 
 
 @pytest.mark.timeout(240)
+@pytest.mark.slow
 def test_a_lost_node_s_shards_come_from_the_surviving_replica_and_training_goes_on(pool: WorkerPool) -> None:
     # nodes of 2 devices, each stage on both: node 0 holds the whole model; nodes 1 and 2 a pipeline of two
     old = plan_from_splits(
