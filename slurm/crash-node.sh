@@ -30,8 +30,8 @@ for p in $(grep -lza "^SLURMD_NODENAME=$NODE$" /proc/[0-9]*/environ 2>/dev/null 
 done
 pids=$(echo "$pids" | tr ' ' '\n' | sort -un | tr '\n' ' ')
 # A crash takes every process of the node at once: none may act on the death of another. Killed one after
-# the other, they do: srun, its parent gone, got SIGHUP ("srun: forcing job termination") and had every
-# other node's tasks killed. So they are frozen together first (the cgroup freezer), killed while frozen,
+# the other, they do: srun, outliving the others, had every other node's tasks killed ("srun: forcing job
+# termination"; their slurmstepd SIGKILLed them ~20 ms after the crash). So they are frozen together first (the cgroup freezer), killed while frozen,
 # and die as they thaw, before any of them runs again. Without a writable freezer: one kill after another.
 freezer=/sys/fs/cgroup/freezer
 cg=$freezer/oobleck-crash-$NODE-$$

@@ -16,6 +16,7 @@ import os
 import runpy
 import socket
 import sys
+import time
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -38,7 +39,8 @@ pseudo-terminal that ends in the job's output file). Rich reads it; so does
 
 
 _PROBE_TIMEOUT_S = 5.0
-"""How long a failed task waits for the coordinator to take a connection (a crashed host never refuses)."""
+"""How long a failed task waits for the coordinator to take a connection (a crashed host never refuses), and
+for the lock on the job's output file."""
 
 
 def announce_slurm_task() -> bool:
@@ -123,9 +125,18 @@ def end_job(job_id: str, lost: CoordinatorLost) -> None:
 
 
 def _append_once(path: Path, line: str) -> None:
-    """Append ``line`` to ``path`` unless another task of the job did (under a lock)."""
+    """Append ``line`` to ``path`` unless another task of the job did (under a lock, waited for at most
+    :data:`_PROBE_TIMEOUT_S`: the line is best effort, the cancel after it is not)."""
     with open(path, "a+") as f:
-        fcntl.flock(f, fcntl.LOCK_EX)
+        deadline = time.monotonic() + _PROBE_TIMEOUT_S
+        while True:
+            try:
+                fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                break
+            except BlockingIOError:
+                if time.monotonic() > deadline:
+                    return
+                time.sleep(0.01)
         f.seek(max(0, f.seek(0, os.SEEK_END) - 65536))
         if line.split(":", 2)[1] not in f.read():
             f.write("\n" + line + "\n")

@@ -4,6 +4,10 @@ Real coordinators and agents on loopback; no SLURM needed."""
 
 from __future__ import annotations
 
+import fcntl
+import time
+from pathlib import Path
+
 import pytest
 
 from lightning_oobleck.recovery import Coordinator, WorkerAgent
@@ -11,7 +15,8 @@ from lightning_oobleck.recovery import agent as agent_module
 from lightning_oobleck.recovery.agent import CoordinatorLost, lost_coordinator
 from lightning_oobleck.recovery.membership import MembershipSettings
 from lightning_oobleck.recovery.protocol import ADDRESS_ENV
-from lightning_oobleck.slurm.task import batch_host_lost
+from lightning_oobleck.slurm import task as task_module
+from lightning_oobleck.slurm.task import _append_once, batch_host_lost
 
 
 def test_a_failed_task_sees_its_batch_host_lost_only_when_the_coordinator_is_gone(
@@ -50,3 +55,22 @@ def test_the_loss_an_agent_saw_is_kept_for_the_task_after_the_agent_is_closed(
     seen = lost_coordinator()
     assert isinstance(seen, CoordinatorLost) and batch_host_lost() is seen
     assert "it closed the connection" in str(seen)
+
+
+def test_the_reason_is_written_once_and_a_held_lock_is_waited_for_a_bounded_time(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Several tasks end the job: the job's output gets the reason once; a lock held elsewhere (a stalled
+    file system) costs the line, never the cancel that follows it."""
+    output = tmp_path / "oobleck-1.out"
+    output.write_text("training output\n")
+    for _ in range(2):
+        _append_once(output, "oobleck: job 1 ends now: lost the oobleck coordinator")
+    assert output.read_text().count("job 1 ends now") == 1
+    monkeypatch.setattr(task_module, "_PROBE_TIMEOUT_S", 0.2)
+    with open(output) as held:
+        fcntl.flock(held, fcntl.LOCK_EX)
+        started = time.monotonic()
+        _append_once(output, "oobleck: job 2 ends now: lost the oobleck coordinator")
+        assert time.monotonic() - started < 5.0
+    assert "job 2" not in output.read_text()
