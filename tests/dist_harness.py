@@ -24,16 +24,18 @@ import torch.distributed as dist
 
 from lightning_oobleck.lightning.launcher import FORKSERVER_PRELOAD
 from lightning_oobleck.planning.plan import Pipeline, PipelineTemplate, Plan, Stage
-from lightning_oobleck.recovery.keystore import KeyStoreClient, KeyStoreServer
+from lightning_oobleck.recovery.coordinator import Coordinator
+from lightning_oobleck.recovery.keystore import KeyStoreClient
+from lightning_oobleck.recovery.replica import ReplicaSettings
 
 Task = Callable[..., Any]
 SECRET = "the-tests-job"
 """The secret of the tests' stores (:mod:`~lightning_oobleck.recovery.keystore`)."""
 
 
-def _serve(conn: Connection, port: int, sys_path: list[str]) -> None:
+def _serve(conn: Connection, address: str, sys_path: list[str]) -> None:
     sys.path[:] = sys_path
-    store = KeyStoreClient("127.0.0.1", port, SECRET, timeout=timedelta(seconds=60))
+    store = KeyStoreClient(address, SECRET, timeout=timedelta(seconds=60))
     state: dict[str, Any] = {}
     while (task := conn.recv()) is not None:
         fn, args = task
@@ -51,12 +53,15 @@ class WorkerPool:
         # one per process and later tests launch Lightning workers from it: preload what they need too.
         ctx = mp.get_context("forkserver")
         ctx.set_forkserver_preload([*FORKSERVER_PRELOAD, "lightning_oobleck.execution"])
-        self.store = KeyStoreServer(SECRET).start()
+        self.store = Coordinator(
+            1, "127.0.0.1", secret=SECRET, replica_settings=ReplicaSettings(standby=False)
+        )
+        self.store.start()
         self._conns: list[Connection] = []
         self.procs: list[mp.process.BaseProcess] = []
         for _ in range(size):
             parent, child = ctx.Pipe()
-            proc = ctx.Process(target=_serve, args=(child, self.store.port, list(sys.path)), daemon=True)
+            proc = ctx.Process(target=_serve, args=(child, self.store.address, list(sys.path)), daemon=True)
             proc.start()
             self._conns.append(parent)
             self.procs.append(proc)

@@ -15,10 +15,8 @@ from __future__ import annotations
 
 import atexit
 import contextlib
-import ctypes
 import logging
 import os
-import signal
 import sys
 import threading
 from collections.abc import Callable
@@ -77,16 +75,3 @@ def before_exit(callback: Callable[[bool], object]) -> None:
     """Call ``callback(failed)`` before the guard ends the process without finalisation: exit handlers that
     were registered before the guard's (a worker's goodbye to its coordinator) would not run then."""
     _GUARD.before_exit(callback)
-
-
-_PR_SET_PDEATHSIG = 1
-
-
-def die_with_parent() -> None:
-    """Make the kernel SIGKILL this process when its parent dies (Linux ``PR_SET_PDEATHSIG``; a no-op
-    elsewhere). The caller checks afterwards that its parent is still the one it expects: it may have died
-    before the call took effect."""
-    if sys.platform.startswith("linux"):
-        libc = ctypes.CDLL(None, use_errno=True)
-        if libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0) != 0:
-            raise OSError(ctypes.get_errno(), "prctl(PR_SET_PDEATHSIG) failed")

@@ -7,8 +7,9 @@ shard written, a joiner's admission) by calling :func:`reach`. A :class:`Fault` 
 (:func:`arm`, or the ``OOBLECK_FAULTS`` environment variable: a JSON list of faults, for a job submitted
 as it is) acts there once: it kills the process (SIGKILL, a crash), stops it (SIGSTOP, a hang), raises
 a ``RuntimeError`` (an error in the training code) or sleeps (a slow worker); ``after_s`` makes a kill
-or a stop come that many seconds later from a timer, wherever the worker is then. With nothing armed,
-:func:`reach` is one attribute test. Public through :mod:`lightning_oobleck.testing`.
+or a stop come that many seconds later from a timer, wherever the worker is then. A kill or a stop may
+target the job's coordinator instead (``target="coordinator"``): a drill of its failover. With nothing
+armed, :func:`reach` is one attribute test. Public through :mod:`lightning_oobleck.testing`.
 """
 
 from __future__ import annotations
@@ -61,6 +62,15 @@ class FaultPoint(str, enum.Enum):
     """A joiner was admitted: its generation's groups are built, before it receives its layers."""
 
 
+class FaultTarget(str, enum.Enum):
+    """Which process a kill or a stop hits."""
+
+    WORKER = "worker"
+    """The worker that reached the point."""
+    COORDINATOR = "coordinator"
+    """The job's active coordinator (when it runs on the worker's host): its failover is drilled."""
+
+
 class FaultAction(str, enum.Enum):
     """What a fault does when its point is reached."""
 
@@ -92,10 +102,21 @@ class Fault:
     """How long a :attr:`FaultAction.DELAY` sleeps."""
     message: str = ""
     """What a :attr:`FaultAction.RAISE` says (default: the fault itself)."""
+    target: FaultTarget = FaultTarget.WORKER
+    """Whom a kill or a stop hits: this worker, or the job's coordinator."""
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "point", FaultPoint(self.point))
         object.__setattr__(self, "action", FaultAction(self.action))
+        object.__setattr__(self, "target", FaultTarget(self.target))
+        if self.target is FaultTarget.COORDINATOR and self.action not in (
+            FaultAction.KILL,
+            FaultAction.STALL,
+        ):
+            raise ValueError(
+                f"Fault(target='coordinator', action={self.action.value!r}): the coordinator can be killed "
+                "or stopped; an error or a delay happens in the worker's own training code"
+            )
         if self.occurrence < 1:
             raise ValueError(f"Fault(occurrence={self.occurrence}): count the point's occurrences from 1")
         if self.after_s < 0 or (
@@ -135,9 +156,17 @@ class _Faults:
         self.worker: Worker | None = None
         self.step: int | None = None
         self.counts: dict[FaultPoint, int] = {}
+        self.coordinator: Callable[[], int | None] = lambda: None
+        """The pid of the job's active coordinator, when it runs on this host."""
 
 
 _state = _Faults()
+
+
+def locate_coordinator(pid: Callable[[], int | None]) -> None:
+    """Tell the faults where the job's active coordinator runs: ``pid()`` is its process id, or ``None``
+    when it is not on this host (a fault that targets it then does nothing, and says so)."""
+    _state.coordinator = pid
 
 
 def arm(*faults: Fault, report: Report | None = None) -> None:
@@ -224,6 +253,10 @@ def _act(fault: Fault, report: Report | None) -> None:
 
 
 def _signal(fault: Fault, report: Report | None, signum: int) -> None:
+    pid = os.getpid() if fault.target is FaultTarget.WORKER else _state.coordinator()
+    if pid is None:
+        log.warning("injected fault %s: the coordinator does not run on this host: nothing done", fault)
+        return
     if report is not None:
         report(fault)
-    os.kill(os.getpid(), signum)
+    os.kill(pid, signum)

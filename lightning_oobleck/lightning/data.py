@@ -24,7 +24,7 @@ from typing import Any
 import torch
 from torch.utils.data import DataLoader, Sampler
 
-from lightning_oobleck.execution.exit_guard import die_with_parent
+from lightning_oobleck.process import die_with_parent
 
 
 @dataclass(frozen=True)

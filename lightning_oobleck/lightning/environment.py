@@ -9,7 +9,7 @@ the strategy must be able to renumber the survivors. These environments:
 * keep the *worker identity* ``(node, device)`` fixed: it names the failure domain in the plan
   (:mod:`lightning_oobleck.planning.plan`) and never changes when ranks are renumbered;
 * take the rendezvous store address from ``OOBLECK_STORE_ADDR=host:port``: the store (and the recovery
-  coordinator) run in a supervisor process that outlives any worker, never in worker rank 0;
+  coordinator) run in a process of their own, never in worker rank 0, with a standby that takes over;
 * are not :class:`~lightning.fabric.plugins.environments.SLURMEnvironment` subclasses, so Lightning's
   ``_SignalConnector`` installs no SIGUSR1 auto-requeue handler (a requeue would restart the job and undo
   in-process recovery).
@@ -29,7 +29,8 @@ from lightning_oobleck.recovery.protocol import NODE_KEY_ENV, SECRET_ENV
 from lightning_oobleck.worker import Worker
 
 STORE_ADDR_VAR = "OOBLECK_STORE_ADDR"
-"""``host:port`` of the job's rendezvous store (set by the local launcher, or by the SLURM batch script)."""
+"""``host:port`` of the job's rendezvous store, its coordinators (set by the local launcher, or by the SLURM
+batch script; several, comma-separated, the active one first)."""
 RANK_VAR = "OOBLECK_RANK"
 WORLD_SIZE_VAR = "OOBLECK_WORLD_SIZE"
 NODE_VAR = "OOBLECK_NODE"
@@ -111,16 +112,19 @@ class OobleckEnvironment(ClusterEnvironment):
         self._node = node
 
     @property
-    def store_address(self) -> tuple[str, int]:
-        """``(host, port)`` of the job's rendezvous store (:mod:`~lightning_oobleck.recovery.keystore`)."""
+    def store_address(self) -> str:
+        """``host:port`` of the job's rendezvous store (:mod:`~lightning_oobleck.recovery.keystore`), served
+        by its coordinators: several, comma-separated, the active one first."""
         value = os.environ.get(STORE_ADDR_VAR)
         if not value:
             raise RuntimeError(
-                f"{STORE_ADDR_VAR} is not set. The rendezvous store runs in a supervisor process: "
-                "locally OobleckLauncher sets it; under SLURM the batch script must start the supervisor on "
+                f"{STORE_ADDR_VAR} is not set. The rendezvous store runs in a coordinator process: "
+                "locally OobleckLauncher sets it; under SLURM the batch script must start the coordinator on "
                 f"the batch host and `export {STORE_ADDR_VAR}=$(hostname):PORT` before `srun`."
             )
-        return parse_store_address(value)
+        for address in value.split(","):
+            parse_store_address(address)
+        return value
 
     @property
     def secret(self) -> str:
@@ -138,11 +142,11 @@ class OobleckEnvironment(ClusterEnvironment):
 
     @property
     def main_address(self) -> str:
-        return self.store_address[0]
+        return parse_store_address(self.store_address.split(",")[0])[0]
 
     @property
     def main_port(self) -> int:
-        return self.store_address[1]
+        return parse_store_address(self.store_address.split(",")[0])[1]
 
     def world_size(self) -> int:
         return self.position.world_size if self._world_size is None else self._world_size

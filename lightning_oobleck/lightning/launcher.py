@@ -3,10 +3,10 @@
 Lightning's launchers make the main process rank 0 (``ddp``) or kill every child when one exits non-zero
 (both ``ddp`` and ``ddp_spawn``). Oobleck keeps training when any worker dies, rank 0 included, so here:
 
-* the calling process is a **supervisor**, never a worker: it hosts the job's rendezvous store
-  (:class:`~lightning_oobleck.recovery.keystore.KeyStoreServer`: on the loopback interface, answering only
-  processes that present the job's secret) and the :class:`SupervisorService` objects (the recovery
-  coordinator), which therefore outlive every worker;
+* the calling process is a **supervisor**, never a worker: it starts the job's coordinator (its failure
+  detector and rendezvous store: :class:`~lightning_oobleck.recovery.service.CoordinatorProcess`, on the
+  loopback interface, answering only processes that present the job's secret), which a worker's standby
+  replaces if it is lost, and runs the :class:`SupervisorService` objects;
 * workers are started with ``forkserver`` (default: forked from a single-threaded server process that
   has imported torch and Lightning once, so starting a worker costs no re-import and never inherits a
   lock held by another thread or an OpenMP pool), ``spawn`` (like ``ddp_spawn``) or ``fork``
@@ -14,8 +14,8 @@ Lightning's launchers make the main process rank 0 (``ddp``) or kill every child
   ``trainer.fit`` returns in the supervisor
   with the survivors' state and weights, which a script re-run (``ddp``) cannot give, and the supervisor
   never runs training code that could crash it;
-* workers are started *before* the store and the services, and wait for their environment on a pipe:
-  no supervisor thread exists at a fork (a worker forked while the store's server thread ran was seen
+* workers are started *before* the coordinator and the services, and wait for their environment on a
+  pipe: no supervisor thread exists at a fork (a worker forked while a store's server thread ran was seen
   to deadlock in its store client, past the store's own timeout);
 * a worker's death is reported to the services at once and otherwise left alone; the run succeeds if any
   worker finished, and the supervisor raises :class:`LaunchError` only when none did;
@@ -53,7 +53,6 @@ from typing import TYPE_CHECKING, Any, Protocol
 from lightning.fabric.utilities.rank_zero import rank_zero_only
 from lightning.pytorch.trainer.states import TrainerFn
 
-from lightning_oobleck.execution.exit_guard import die_with_parent
 from lightning_oobleck.execution.faults import FAULTS_ENV
 from lightning_oobleck.lightning._internals import (
     GlobalStateSnapshot,
@@ -76,11 +75,14 @@ from lightning_oobleck.lightning.results import (
     write_worker_error,
     write_worker_result,
 )
+from lightning_oobleck.process import die_with_parent
 from lightning_oobleck.recovery.agent import TrainingFinished, close_process_agent
 from lightning_oobleck.recovery.errors import UnrecoverableFailure
-from lightning_oobleck.recovery.keystore import KeyStoreServer
-from lightning_oobleck.recovery.protocol import NODE_KEY_ENV, SECRET_ENV
+from lightning_oobleck.recovery.membership import MembershipSettings
+from lightning_oobleck.recovery.protocol import ADDRESS_ENV, NODE_KEY_ENV, SECRET_ENV
+from lightning_oobleck.recovery.service import CoordinatorProcess
 from lightning_oobleck.recovery.startup import StartFailure
+from lightning_oobleck.worker import Worker
 
 if TYPE_CHECKING:
     import lightning.pytorch as pl
@@ -118,10 +120,12 @@ class SupervisorService(Protocol):
 
 
 class Supervisor:
-    """The job's rendezvous store plus the services, started and stopped together, and the job's secret
-    (:attr:`secret`, made here: the store and the coordinator serve only processes that present it, and
-    :attr:`worker_env` hands it to the workers alone). Used by :class:`OobleckLauncher` on one machine,
-    listening on ``host`` (default: loopback only)."""
+    """The job's coordinator (its failure detector and rendezvous store, in a process of its own) plus the
+    services, started and stopped together, and the job's secret (:attr:`secret`, made here: the
+    coordinators serve only processes that present it, and :attr:`worker_env` hands it to the workers
+    alone). Used by :class:`OobleckLauncher` on one machine, listening on ``host`` (default: loopback only).
+    ``coordinator``: the failure detector's settings; ``workdir``: where the coordinators keep their
+    addresses (the launch's folder)."""
 
     def __init__(
         self,
@@ -130,15 +134,17 @@ class Supervisor:
         devices_per_node: int = 1,
         services: Sequence[SupervisorService] = (),
         host: str = "127.0.0.1",
-        port: int = 0,
+        coordinator: MembershipSettings | None = None,
+        workdir: Path | None = None,
     ) -> None:
         self.world_size = world_size
         self.devices_per_node = devices_per_node
         self.services = list(services)
         self.host = host
-        self._port = port
         self.secret = secrets.token_hex(16)
-        self.store: KeyStoreServer | None = None
+        self.coordinator: CoordinatorProcess | None = None
+        self._settings = replace(coordinator or MembershipSettings(), devices_per_node=devices_per_node)
+        self._workdir = workdir
         self.worker_env: dict[str, str] = {k: os.environ[k] for k in FORWARDED_ENV if k in os.environ}
         self.worker_env[SECRET_ENV] = self.secret
         """Variables every worker gets besides its position, e.g. a service's address (and those of
@@ -147,13 +153,20 @@ class Supervisor:
 
     @property
     def store_addr(self) -> str:
-        """``host:port`` of the running store (the value of ``OOBLECK_STORE_ADDR``)."""
-        if self.store is None:
+        """The job's coordinators as they are now, the active first (``OOBLECK_STORE_ADDR`` and
+        ``OOBLECK_COORDINATOR_ADDR`` of a worker started now)."""
+        if self.coordinator is None:
             raise RuntimeError("the supervisor is not started")
-        return f"{self.host}:{self.store.port}"
+        return self.coordinator.addresses
 
     def start(self) -> None:
-        self.store = KeyStoreServer(self.secret, self.host, self._port).start()
+        workdir = self._workdir or Path(tempfile.mkdtemp(prefix="oobleck-supervisor-"))
+        # every worker runs on this machine: a fenced one is also killed, so that its peers see it gone
+        settings = replace(self._settings, kill_fenced=True)
+        self.coordinator = CoordinatorProcess(
+            self.world_size, self.secret, workdir / "coordinators.json", settings=settings, host=self.host
+        )
+        self.worker_env[ADDRESS_ENV] = self.coordinator.address
         try:
             for service in self.services:
                 service.start(self)
@@ -163,20 +176,25 @@ class Supervisor:
             raise
 
     def worker_exited(self, rank: int, exitcode: int) -> None:
+        if self.coordinator is not None:  # the launcher numbers ranks node by node
+            how = f"killed by signal {-exitcode}" if exitcode < 0 else f"exited with status {exitcode}"
+            worker = Worker(*divmod(rank, self.devices_per_node))
+            self.coordinator.worker_exited(worker, f"its process ended ({how}) before it registered")
         for service in self._started:
             service.worker_exited(rank, exitcode)
 
     def stop(self) -> None:
-        """Stop the services in reverse order, then the store; one service failing does not stop the rest."""
+        """Stop the services in reverse order, then the coordinator; one service failing does not stop the
+        rest."""
         while self._started:
             service = self._started.pop()
             try:
                 service.stop()
             except Exception:
                 log.exception("supervisor service %r failed to stop", service)
-        if self.store is not None:
-            self.store.stop()
-        self.store = None
+        if self.coordinator is not None:
+            self.coordinator.stop()
+        self.coordinator = None
 
     def __enter__(self) -> Supervisor:
         self.start()
@@ -222,7 +240,8 @@ class OobleckLauncher(Launcher):
             ``if __name__ == "__main__"`` guard and picklable arguments, or ``"fork"`` (interactive
             sessions; no CUDA, no torch threads before launching).
         services: started in the supervisor before the workers (append to :attr:`services` until launch).
-        host: address the store listens on and workers connect to.
+        host: address the coordinator listens on and workers connect to.
+        coordinator: the failure detector's settings (the job's coordinator and its standby).
         timeout_s: bound on the whole launch; ``None`` lets training run as long as it needs.
         finish_grace_s: once one worker finished, how long the others may take before they are killed
             (a hung or stopped worker must not hold the run forever).
@@ -241,6 +260,7 @@ class OobleckLauncher(Launcher):
         start_method: StartMethod = "forkserver",
         services: Sequence[SupervisorService] = (),
         host: str = "127.0.0.1",
+        coordinator: MembershipSettings | None = None,
         timeout_s: float | None = None,
         finish_grace_s: float = 60.0,
         replace_failed_after_s: float | None = None,
@@ -265,6 +285,7 @@ class OobleckLauncher(Launcher):
         self.start_method = start_method
         self.services = list(services)
         self.host = host
+        self.coordinator = coordinator
         self.timeout_s = timeout_s
         self.finish_grace_s = finish_grace_s
         self.replace_failed_after_s = replace_failed_after_s
@@ -300,11 +321,16 @@ class OobleckLauncher(Launcher):
             )
         workdir = Path(tempfile.mkdtemp(prefix="oobleck-launch-"))
         supervisor = Supervisor(
-            self.num_processes, devices_per_node=self.devices_per_node, services=self.services, host=self.host
+            self.num_processes,
+            devices_per_node=self.devices_per_node,
+            services=self.services,
+            host=self.host,
+            coordinator=self.coordinator,
+            workdir=workdir,
         )
         env_pipes: dict[int, Connection] = {}
         try:
-            # Workers start before the store and the services: their threads must not exist at a fork.
+            # Workers start before the coordinator and the services: no thread of theirs exists at a fork.
             env_pipes = self._start_workers(workdir, trainer, function, args, kwargs)
             with supervisor:
                 try:
@@ -435,7 +461,16 @@ class OobleckLauncher(Launcher):
                 rank, self.num_processes, self.devices_per_node, supervisor.store_addr
             )
             position[DEVICE_VAR] = str(device)
-            self._start(rank, {**supervisor.worker_env, **position, NODE_KEY_ENV: f"replacement-{new_node}"})
+            coordinators = {ADDRESS_ENV: supervisor.store_addr}  # the ones that took over, if any
+            self._start(
+                rank,
+                {
+                    **supervisor.worker_env,
+                    **position,
+                    **coordinators,
+                    NODE_KEY_ENV: f"replacement-{new_node}",
+                },
+            )
 
     def _recover_results(self, report: LaunchReport, workdir: Path, trainer: pl.Trainer | None) -> Any:
         if report.user_error is not None:

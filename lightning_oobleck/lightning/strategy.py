@@ -51,7 +51,7 @@ from lightning_oobleck.execution.checkpoint import (
     load_sharded_model,
     load_sharded_optimizers,
 )
-from lightning_oobleck.execution.faults import from_environment
+from lightning_oobleck.execution.faults import from_environment, locate_coordinator
 from lightning_oobleck.execution.process_groups import backend_for, check_plan_size
 from lightning_oobleck.execution.stage import Tie, find_ties
 from lightning_oobleck.execution.tensor_parallel import whole_values
@@ -96,12 +96,16 @@ from lightning_oobleck.lightning.units import (
     set_logger_versions,
 )
 from lightning_oobleck.planning.plan import PLAN_CHECK_ENV, Plan, PlanChecked
-from lightning_oobleck.recovery.agent import WorkerAgent, close_process_agent, process_agent
+from lightning_oobleck.recovery.agent import (
+    WorkerAgent,
+    close_process_agent,
+    known_coordinators,
+    process_agent,
+)
 from lightning_oobleck.recovery.joiner import Admission
 from lightning_oobleck.recovery.keystore import KeyStoreClient
 from lightning_oobleck.recovery.membership import MembershipSettings
 from lightning_oobleck.recovery.protocol import ADDRESS_ENV, NODE_KEY_ENV, Timeouts, node_name
-from lightning_oobleck.recovery.service import CoordinatorService
 from lightning_oobleck.worker import Worker
 
 
@@ -301,10 +305,7 @@ class OobleckStrategy(ParallelStrategy, PipelineExecutor):
                 start_method=self.config.start_method,  # type: ignore[arg-type]
                 replace_failed_after_s=self.config.replace_failed_after_s,
                 preflight=self._refuse_before_launch,
-                # The coordinator of in-process recovery lives in the supervisor, which outlives every worker.
-                services=[
-                    CoordinatorService(MembershipSettings(heartbeat_timeout=self.config.heartbeat_timeout_s))
-                ],
+                coordinator=MembershipSettings(heartbeat_timeout=self.config.heartbeat_timeout_s),
             )
 
     # ------------------------------------------------------------------ environment and setup
@@ -358,7 +359,11 @@ class OobleckStrategy(ParallelStrategy, PipelineExecutor):
         """This process's agent (registered once per process), with the job's failure-detector timeouts."""
         cfg = self.config
         timeouts = Timeouts(cfg.heartbeat_timeout_s, cfg.hang_timeout_s)
-        return process_agent(worker, connect_timeout=cfg.plan_timeout_s, timeouts=timeouts, node_key=node_key)
+        agent = process_agent(
+            worker, connect_timeout=cfg.plan_timeout_s, timeouts=timeouts, node_key=node_key
+        )
+        locate_coordinator(agent.coordinator_pid_here)  # drills of the coordinator loss
+        return agent
 
     def _join(self, environment: OobleckEnvironment, store: dist.Store, options: GenerationOptions) -> None:
         """This process joins a running training (:func:`join_running_training`)."""
@@ -833,5 +838,7 @@ def _shuffles(loader: DataLoader) -> bool:
 
 
 def _connect_store(environment: OobleckEnvironment, config: OobleckConfig) -> KeyStoreClient:
-    host, port = environment.store_address
-    return KeyStoreClient(host, port, environment.secret, timeout=timedelta(seconds=config.plan_timeout_s))
+    """The job's store, served by its coordinators: those the environment names, then those this process's
+    agent learns of (a standby started later, which may take over)."""
+    timeout = timedelta(seconds=config.plan_timeout_s)
+    return KeyStoreClient(environment.store_address, environment.secret, timeout, more=known_coordinators)

@@ -71,7 +71,7 @@ from lightning_oobleck.lightning.data import DataPosition, PipelineDataLoader
 from lightning_oobleck.lightning.module import batch_parts, layer_source, meta_layers
 from lightning_oobleck.recovery.admission import JoinPolicy
 from lightning_oobleck.recovery.agent import WorkerAgent
-from lightning_oobleck.recovery.events import EventLog, RecoveryEvent
+from lightning_oobleck.recovery.events import EventLog, Failover, RecoveryEvent
 from lightning_oobleck.recovery.joiner import Admission
 from lightning_oobleck.recovery.protocol import node_name
 from lightning_oobleck.recovery.unit_runner import Unit, UnitRunner
@@ -128,6 +128,7 @@ class LightningLoop:
         self._sigterm = False
         self.runner: UnitRunner | None = None
         self.events: EventLog | None = None
+        self._failovers_reported = 0
         self._validation_data_ready = False
         self.catching_up = False
         """A joiner between its admission and its first training step: the members wait inside that step,
@@ -268,7 +269,19 @@ class LightningLoop:
                     time.time() - self._step_started,
                     self.runner.generation,
                 )
+                self._report_failovers(self.events, self.runner.agent.failovers)
         return output
+
+    def _report_failovers(self, events: EventLog, failovers: list[Failover]) -> None:
+        """(Rank 0) one line and one event per coordinator failover since the last step."""
+        for failover in failovers[self._failovers_reported :]:
+            events.failover(failover, self.runner.progress.steps if self.runner is not None else None)
+            seconds = failover.took_over_at - failover.lost_at
+            rank_zero_info(
+                f"oobleck: the job's coordinator at {failover.lost} was lost ({failover.reason}); its "
+                f"standby at {failover.standby} took over in {seconds:.2f} s; training went on"
+            )
+        self._failovers_reported = len(failovers)
 
     def finish(self) -> None:
         """The fit's last unit: every worker completed every step when it completes anywhere."""

@@ -1,5 +1,6 @@
-"""``python -m lightning_oobleck.recovery --world-size N``: a recovery coordinator of its own, for a launcher
-of yours (see :func:`lightning_oobleck.recovery.coordinator.main`)."""
+"""``python -m lightning_oobleck.recovery --world-size N``: a coordinator of its own, for a launcher of yours
+(the local launcher starts one this way), or ``--follow ADDRESS``: the standby of the active one (a worker
+starts it when asked); see :func:`lightning_oobleck.recovery.coordinator.main`."""
 
 from lightning_oobleck.recovery.coordinator import main
 

@@ -21,9 +21,15 @@ training code sees:
   It also fences itself when its own thread was frozen longer than the heartbeat timeout (SIGSTOP
   then SIGCONT): by then the coordinator has declared it dead, whatever message may have been lost.
 
-The coordinator is a single point of failure (like SLURM's batch host): if it cannot be reached at
-start, :meth:`WorkerAgent.start` retries for ``connect_timeout`` and raises
-:class:`CoordinatorUnreachable`; if it is lost later, ``abort`` is set and every later call raises
+* failover: the active coordinator tells every worker where its standby is (``standby``, acknowledged). When
+  the connection to the active one ends or falls silent for two heartbeat timeouts, the agent reconnects
+  to that standby (``reattach``, its vote) and never speaks to the lost one again; the training goes on
+  meanwhile, and what the training thread asks (``ready``, ``admit``) is sent again once the standby took
+  over. A worker asked to (``host_standby``) starts a standby coordinator process, which dies with it.
+
+If no coordinator can be reached at start, :meth:`WorkerAgent.start` retries for ``connect_timeout`` and
+raises :class:`CoordinatorUnreachable`; if the active one is lost and no standby takes over within
+:attr:`WorkerAgent.failover_timeout`, ``abort`` is set and every later call raises
 :class:`CoordinatorLost`: without a failure detector the worker cannot continue safely.
 """
 
@@ -35,12 +41,14 @@ import dataclasses
 import os
 import select
 import socket
+import subprocess
 import sys
 import threading
 import time
 import weakref
 from typing import Any
 
+from lightning_oobleck.recovery.events import Failover
 from lightning_oobleck.recovery.protocol import (
     ADDRESS_ENV,
     FENCED_EXIT_CODE,
@@ -51,6 +59,7 @@ from lightning_oobleck.recovery.protocol import (
     encode,
     node_name,
     parse_address,
+    parse_addresses,
 )
 from lightning_oobleck.worker import Worker
 
@@ -90,8 +99,9 @@ class GenerationChanged(RecoveryError):
 class WorkerAgent:
     """Failure notices, agreement and fencing for one worker process (see the module docstring).
 
-    ``address`` is the coordinator's ``host:port``; by default it comes from ``OOBLECK_COORDINATOR_ADDR``, and
-    ``secret`` (the job's, made at launch) from ``OOBLECK_COORDINATOR_SECRET``.
+    ``address`` is the coordinators' ``host:port`` (several, comma-separated: the first that answers as the
+    active one is used); by default it comes from ``OOBLECK_COORDINATOR_ADDR``, and ``secret`` (the job's,
+    made at launch) from ``OOBLECK_COORDINATOR_SECRET``.
     Use as a context manager, or call :meth:`start` and :meth:`close`.
     """
 
@@ -111,8 +121,15 @@ class WorkerAgent:
                 f"no coordinator address: pass address='HOST:PORT' or set {ADDRESS_ENV} "
                 "(the launcher or the SLURM batch script sets it)"
             )
-        self._host, self._port = parse_address(address)
-        self.address = address
+        self._addresses = parse_addresses(address)
+        self.address = self._addresses[0]
+        """The active coordinator's address (the one this agent is connected to once started)."""
+        self.standby: str | None = None
+        """The standby coordinator's address, as the active one last said: where to go if it is lost."""
+        self.epoch = 0
+        """How many times the job's coordinator failed over, as this agent knows."""
+        self.coordinator: dict[str, Any] = {}
+        """Where the active coordinator runs, as it said (``host``, ``pid``): for drills that kill it."""
         self._secret = secret if secret is not None else os.environ.get(SECRET_ENV)
         node, device = worker
         if node is None and not node_key:
@@ -134,7 +151,14 @@ class WorkerAgent:
         """Wall-clock time ``abort`` was last set (for detection-latency measurements)."""
         self.heartbeat_interval = 0.5
         self.heartbeat_timeout = 2.0
+        self.failovers: list[Failover] = []
+        """Every time the coordinator was lost and its standby took over, in order."""
         self._cond = threading.Condition()
+        self._attached = threading.Event()
+        """Connected to the active coordinator (clear while failing over)."""
+        self._outstanding: dict[str, dict[str, Any]] = {}
+        """What the training thread asked and was not answered yet: sent again after a failover."""
+        self._hosted: subprocess.Popen | None = None
         self._nothing_to_admit = -1
         self._announced: Membership | None = None
         self._agreed: Membership | None = None
@@ -151,82 +175,118 @@ class WorkerAgent:
         """Connect (retrying for ``connect_timeout``), register, and start the heartbeat thread."""
         if self._sock is not None:
             raise RuntimeError("this agent was already started: use one WorkerAgent per start")
-        deadline = time.monotonic() + self.connect_timeout
-        while True:
-            try:
-                self._sock = socket.create_connection((self._host, self._port), timeout=5.0)
-                break
-            except OSError as e:
-                if time.monotonic() >= deadline:
-                    raise CoordinatorUnreachable(
-                        f"cannot reach the oobleck coordinator at {self.address} after "
-                        f"{self.connect_timeout:g} s ({e}). It runs in the launcher's supervisor process, "
-                        "or on the SLURM batch host: check that it started and that this address is right"
-                    ) from e
-                time.sleep(0.2)
-        self._sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         agent = weakref.ref(self)
         os.register_at_fork(
             after_in_child=lambda: (a := agent()) is not None and a._drop_inherited_connection()
         )
-        try:
-            self._send(
-                "register",
-                node=None if self.node_key else self.worker.node,
-                **({"node_key": self.node_key} if self.node_key else {}),
-                device=self.worker.device,
-                pid=os.getpid(),
-                host=socket.gethostname(),
-                name=node_name(),
-                **({"secret": self._secret} if self._secret is not None else {}),
-                **(self.timeouts._asdict() if self.timeouts is not None else {}),
-            )
-            pending = self._await_welcome(deadline=time.monotonic() + self.connect_timeout)
-        except OSError as e:
-            self._sock.close()
-            raise CoordinatorUnreachable(
-                f"registration with the coordinator at {self.address} failed: {e}"
-            ) from e
-        except RecoveryError:
-            self._sock.close()
-            raise
-        for msg in pending:
-            self._handle(msg)
-        self._thread = threading.Thread(target=self._run, name="oobleck-agent", daemon=True)
-        self._thread.start()
-        return self
-
-    def _await_welcome(self, deadline: float) -> list[dict[str, Any]]:
-        assert self._sock is not None
-        messages: list[dict[str, Any]] = []
-        while not messages:
-            remaining = deadline - time.monotonic()
-            if remaining <= 0:
+        register = {
+            "node": None if self.node_key else self.worker.node,
+            **({"node_key": self.node_key} if self.node_key else {}),
+            "device": self.worker.device,
+            "pid": os.getpid(),
+            "host": socket.gethostname(),
+            "name": node_name(),
+            "can_host_standby": self._secret is not None,  # a standby serves only holders of the secret
+            **({"secret": self._secret} if self._secret is not None else {}),
+            **(self.timeouts._asdict() if self.timeouts is not None else {}),
+        }
+        deadline = time.monotonic() + self.connect_timeout
+        errors: dict[str, str] = {}
+        while True:
+            for address in self._addresses:
+                try:
+                    sock, messages = self._open(address, "register", register, deadline)
+                except OSError as e:
+                    errors[address] = str(e)
+                    continue
+                first = messages[0]
+                if first["op"] == "redirect":
+                    errors[address] = first["reason"]
+                    sock.close()
+                    continue
+                if first["op"] in ("refused", "fenced"):
+                    sock.close()
+                    raise RegistrationRefused(
+                        f"the coordinator refused worker {tuple(self.worker)}: {first['reason']}"
+                    )
+                self._sock, self.address = sock, address
+                self.worker = Worker(int(first["node"]), self.worker.device)
+                self.registered_at = time.time()
+                self._welcomed(first)
+                for msg in messages[1:]:
+                    self._handle(msg)
+                self._thread = threading.Thread(target=self._run, name="oobleck-agent", daemon=True)
+                self._thread.start()
+                return self
+            if time.monotonic() >= deadline:
+                tried = "; ".join(f"{a}: {why}" for a, why in errors.items())
                 raise CoordinatorUnreachable(
-                    f"the coordinator at {self.address} did not answer the registration"
+                    f"cannot reach the oobleck coordinator after {self.connect_timeout:g} s ({tried}). It "
+                    "runs in a process the launcher starts, or on the SLURM batch host: check that it "
+                    "started and that this address is right"
                 )
-            self._sock.settimeout(remaining)
-            data = self._sock.recv(65536)
-            if not data:
-                raise CoordinatorUnreachable(f"the coordinator at {self.address} closed the connection")
-            messages = self._reader.feed(data)
-        first, rest = messages[0], messages[1:]
-        if first["op"] in ("refused", "fenced"):
-            raise RegistrationRefused(
-                f"the coordinator refused worker {tuple(self.worker)}: {first['reason']}"
-            )
-        self.worker = Worker(int(first["node"]), self.worker.device)
-        self.registered_at = time.time()
-        self.heartbeat_interval = float(first["heartbeat_interval"])
-        self.heartbeat_timeout = float(first["heartbeat_timeout"])
+            time.sleep(0.2)
+
+    def _open(
+        self, address: str, op: str, fields: dict[str, Any], deadline: float
+    ) -> tuple[socket.socket, list[dict[str, Any]]]:
+        """Connect to the coordinator at ``address``, send ``op``, and return the socket with the first
+        messages of the answer (``OSError`` if none comes by ``deadline``)."""
+        sock = socket.create_connection(
+            parse_address(address), timeout=max(0.1, min(5.0, deadline - time.monotonic()))
+        )
+        try:
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            sock.sendall(encode(op, **fields))
+            reader, messages = LineReader(), []
+            while not messages:
+                remaining = deadline - time.monotonic()
+                if remaining <= 0:
+                    raise TimeoutError(f"the coordinator at {address} did not answer {op!r}")
+                sock.settimeout(remaining)
+                data = sock.recv(65536)
+                if not data:
+                    raise ConnectionError(f"the coordinator at {address} closed the connection")
+                messages = reader.feed(data)
+        except (OSError, ValueError) as e:
+            sock.close()
+            raise OSError(str(e)) from e
+        self._reader = reader
+        return sock, messages
+
+    def _welcomed(self, welcome: dict[str, Any]) -> None:
+        assert self._sock is not None
+        self.epoch = int(welcome.get("epoch", 0))
+        self.coordinator = welcome.get("coordinator") or {}
+        self.heartbeat_interval = float(welcome["heartbeat_interval"])
+        self.heartbeat_timeout = float(welcome["heartbeat_timeout"])
         self._sock.settimeout(max(1.0, self.heartbeat_timeout))
-        return rest
+        self._attached.set()
+
+    def coordinator_pid_here(self) -> int | None:
+        """The active coordinator's process id, if it runs on this host (``None`` otherwise)."""
+        here = self.coordinator.get("host") == socket.gethostname()
+        return int(self.coordinator["pid"]) if here and self.coordinator.get("pid") else None
+
+    @property
+    def failover_timeout(self) -> float:
+        """How long a worker that lost the active coordinator waits for its standby to take over: the
+        standby waits for the votes of more than half of the workers, who notice a silent coordinator
+        within two heartbeat timeouts of each other."""
+        return max(10.0, 4 * self.heartbeat_timeout)
+
+    @property
+    def replicas(self) -> list[str]:
+        """The coordinators this agent knows of, the active one first."""
+        return [self.address, *([self.standby] if self.standby and self.standby != self.address else [])]
 
     def close(self, finished: bool = True) -> None:
         """Stop the agent. ``finished=True`` tells the coordinator this worker ended normally; otherwise
         the coordinator sees a dead worker (which is what a worker that failed is)."""
         if self._closing.is_set() or self._sock is None:
             return
+        if finished:  # a coordinator that is failing over learns of the leave once it took over
+            self._attached.wait(self.failover_timeout)
         self._closing.set()  # first: the coordinator may close the connection as soon as it reads LEAVE
         if finished:
             with contextlib.suppress(OSError):
@@ -364,13 +424,24 @@ class WorkerAgent:
             self._sock.sendall(encode(op, **fields))
 
     def _send_or_lose(self, op: str, **fields: Any) -> None:
-        try:
-            self._send(op, **fields)
-        except OSError as e:
-            self._lose(f"sending to it failed ({e})")
-            self._raise_error()
+        """Send a request of the training thread; while failing over (or if the send fails, which the agent's
+        thread then notices), it is sent again once a standby took over."""
+        with self._send_lock:
+            self._outstanding[op] = fields
+        if self._attached.is_set():
+            with contextlib.suppress(OSError):
+                self._send(op, **fields)
+        self._raise_error()
 
     def _run(self) -> None:
+        while not self._closing.is_set():
+            reason = self._serve()
+            if reason is None or self._closing.is_set() or not self._failover(reason):
+                return
+
+    def _serve(self) -> str | None:
+        """Heartbeats and notices on the connection to the active coordinator, until closed (``None``) or the
+        connection is lost (why)."""
         assert self._sock is not None
         now = time.monotonic()
         last_tick = last_heard = next_heartbeat = now
@@ -383,8 +454,7 @@ class WorkerAgent:
                 )
             last_tick = now
             if now - last_heard > 2 * self.heartbeat_timeout:
-                self._lose(f"it sent nothing for {now - last_heard:.1f} s")
-                return
+                return f"it sent nothing for {now - last_heard:.1f} s"
             try:
                 if now >= next_heartbeat:
                     self._send("heartbeat")
@@ -394,14 +464,68 @@ class WorkerAgent:
                     continue
                 data = self._sock.recv(65536)
             except OSError as e:
-                self._lose(f"the connection failed ({e})")
-                return
+                return f"the connection failed ({e})"
             if not data:
-                self._lose("it closed the connection")
-                return
+                return "it closed the connection"
             last_heard = time.monotonic()
             for msg in self._reader.feed(data):
                 self._handle(msg)
+        return None
+
+    def _failover(self, reason: str) -> bool:
+        """The active coordinator is lost (``reason``): reconnect to its standby (a vote for it) until it took
+        over, then send again what the training thread asked; ``False`` (and :class:`CoordinatorLost`) if
+        there is no standby or it did not take over within :attr:`failover_timeout`. Training goes on
+        meanwhile: a failure of the coordinator alone changes no generation."""
+        standby, lost, lost_at = self.standby, self.address, time.time()
+        if self._closing.is_set() or isinstance(self._error, TrainingFinished):
+            return False
+        if standby is None or standby == lost:
+            self._lose(f"{reason}; no standby coordinator was started yet")
+            return False
+        self._attached.clear()
+        assert self._sock is not None
+        with contextlib.suppress(OSError):
+            self._sock.shutdown(socket.SHUT_RDWR)
+        self._sock.close()
+        with self._cond:
+            announced, agreed = self._announced, self._agreed
+        vote = {
+            **({"secret": self._secret} if self._secret is not None else {}),
+            "node": self.worker.node,
+            "device": self.worker.device,
+            "announced": announced.generation if announced else -1,
+            "agreed": agreed.generation if agreed else -1,
+            "epoch": self.epoch,
+        }
+        deadline = time.monotonic() + self.failover_timeout
+        while True:
+            try:
+                sock, messages = self._open(standby, "reattach", vote, deadline)
+                break
+            except OSError as e:
+                if time.monotonic() >= deadline or self._closing.is_set():
+                    self._lose(f"{reason}, and its standby at {standby} did not take over ({e})")
+                    return False
+                time.sleep(0.05)
+        first = messages[0]
+        if first["op"] == "fenced":
+            self._fence(first["reason"])
+        if first["op"] != "welcome":
+            sock.close()
+            self._lose(f"{reason}, and its standby at {standby} refused this worker: {first.get('reason')}")
+            return False
+        self._sock, self.address, self.standby = sock, standby, None
+        self._welcomed(first)
+        self.failovers.append(Failover(lost, standby, self.epoch, reason, lost_at, time.time()))
+        for msg in messages[1:]:
+            self._handle(msg)
+        with self._send_lock:
+            outstanding = list(self._outstanding.items())
+        for op, fields in outstanding:
+            with contextlib.suppress(OSError):
+                self._send(op, **fields)
+        return True
 
     def _handle(self, msg: dict[str, Any]) -> None:
         op = msg["op"]
@@ -415,6 +539,14 @@ class WorkerAgent:
                 self._announced = membership
                 self._set_abort()
                 self._cond.notify_all()
+            with self._send_lock:
+                self._outstanding.clear()  # a newer generation answers every older request
+        elif op == "standby":
+            self.standby = msg["address"]
+            with contextlib.suppress(OSError):
+                self._send("standby_ack", designation=msg["designation"])
+        elif op == "host_standby":
+            self._host_standby(msg)
         elif op == "joiners":
             self.joiners = int(msg["nodes"])
         elif op == "finished":
@@ -428,12 +560,39 @@ class WorkerAgent:
                 self._nothing_to_admit = int(msg["generation"])
                 self.joiners = 0
                 self._cond.notify_all()
+            with self._send_lock:
+                self._outstanding.pop("admit", None)
         elif op == "go":
             with self._cond:
                 if self._announced is not None and self._announced.generation == msg["generation"]:
                     self._agreed = dataclasses.replace(self._announced, agreed_at=msg["agreed_at"])
                     self.abort.clear()
                     self._cond.notify_all()
+            with self._send_lock:
+                self._outstanding.pop("ready", None)
+
+    def _host_standby(self, msg: dict[str, Any]) -> None:
+        """Start a standby coordinator on this node, following the active one: a process of its own that dies
+        with this agent's thread (its parent), as it would with the node."""
+        if self._hosted is not None and self._hosted.poll() is None:
+            return
+        host = "127.0.0.1" if msg.get("loopback") else socket.gethostname()
+        command = [sys.executable, "-m", STANDBY_MODULE, "--follow", str(msg["follow"]), "--host", host]
+        command += ["--node", str(self.worker.node), "--watch-pid", str(os.getpid())]
+        command += ["--heartbeat-timeout", str(self.heartbeat_timeout)]
+        if msg.get("join_file"):
+            command += ["--join-file", str(msg["join_file"])]
+        if log_pattern := os.environ.get(COORDINATOR_LOG_ENV):
+            command += ["--log", log_pattern.replace("%n", str(self.worker.node))]
+        try:
+            env = {**os.environ, **({SECRET_ENV: self._secret} if self._secret is not None else {})}
+            self._hosted = subprocess.Popen(
+                command, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, env=env
+            )
+        except OSError as e:
+            sys.stderr.write(
+                f"oobleck: worker {tuple(self.worker)} could not start a standby coordinator: {e}\n"
+            )
 
     def _set_abort(self) -> None:
         if not self.abort.is_set():
@@ -446,9 +605,9 @@ class WorkerAgent:
             return  # closed by this worker, or by the coordinator after it said why
         with self._cond:
             self._error = _lost_coordinator = CoordinatorLost(
-                f"lost the oobleck coordinator at {self.address}: {reason}. Its host is a single point of "
-                "failure (like SLURM's batch host): without it failures can be neither detected nor agreed "
-                "on, so this worker must stop; resume from the last checkpoint (ckpt_path=)"
+                f"lost the oobleck coordinator at {self.address}: {reason}. Without a coordinator failures "
+                "can be neither detected nor agreed on, so this worker must stop; resume from the last "
+                "checkpoint (ckpt_path=)"
             )
             self._set_abort()
             self._cond.notify_all()
@@ -463,8 +622,21 @@ class WorkerAgent:
         os._exit(FENCED_EXIT_CODE)
 
 
+STANDBY_MODULE = "lightning_oobleck.recovery"
+"""What a worker runs to host a standby coordinator (``python -m``)."""
+COORDINATOR_LOG_ENV = "OOBLECK_COORDINATOR_LOG"
+"""A log file for the standby coordinators the workers start (``%n``: the node id); default: warnings on the
+worker's stderr."""
+
 _process_agent: WorkerAgent | None = None
 _lost_coordinator: CoordinatorLost | None = None
+
+
+def known_coordinators() -> list[str]:
+    """The coordinators this process's agent knows of (the active one first), for the store's clients: after
+    a failover the store is served by the coordinator that took over. Empty without an agent."""
+    agent = _process_agent
+    return agent.replicas if agent is not None else []
 
 
 def lost_coordinator() -> CoordinatorLost | None:
@@ -529,7 +701,7 @@ def announce_presence(worker: Worker, address: str | None = None, secret: str | 
     if _presence is not None or not address:
         return False
     try:
-        sock = socket.create_connection(parse_address(address), timeout=5.0)
+        sock = socket.create_connection(parse_address(parse_addresses(address)[0]), timeout=5.0)
         node, device = worker
         fields = {"secret": secret} if secret else {}
         sock.sendall(encode("present", node=node, device=device, name=node_name(), **fields))

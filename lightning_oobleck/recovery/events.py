@@ -4,6 +4,9 @@ A run's event file has one JSON object per line, each with a ``kind``:
 
 * ``{"kind": "step", "step", "time", "duration_s", "samples", "generation"}``: one optimizer step that
   counted, ``time`` being its end (wall clock); ``oobleck timeline`` turns these into throughput.
+* ``{"kind": "failover", "lost", "standby", "epoch", "reason", "lost_at", "took_over_at", "step"}``: the
+  job's coordinator at ``lost`` was lost and its standby took over (epoch ``epoch``); training went on. A loss
+  of workers with it (the coordinator's node) is a recovery of its own.
 * ``{"kind": "recovery", "generation", "removed", "added", "cause", "failed_at", "detected_at",
   "agreed_at", "replanned_at", "rebuilt_at", "state_copied_at", "resumed_at", "fault_tolerance",
   "warnings", "copied_bytes", "copy_senders", "durations", "copy_gb_per_s"}``: one failure (or join) and
@@ -118,6 +121,26 @@ class RecoveryEvent:
         }
 
 
+@dataclass(frozen=True)
+class Failover:
+    """The job's coordinator was lost and its standby took over, as a worker's agent saw it."""
+
+    lost: str
+    """The lost coordinator's address."""
+    standby: str
+    """The address of the standby that took over."""
+    epoch: int
+    reason: str
+    """How the worker saw the coordinator lost."""
+    lost_at: float
+    """When the worker saw it lost (wall clock)."""
+    took_over_at: float
+    """When the standby welcomed the worker back (wall clock)."""
+
+    def to_record(self, step: int | None = None) -> dict[str, Any]:
+        return {"kind": "failover", **asdict(self), "step": step}
+
+
 class EventLog:
     """Appends step and recovery records to a JSONL file, and recovery phase durations to a logger.
 
@@ -163,6 +186,13 @@ class EventLog:
             if (speed := event.copy_gb_per_s()) is not None:
                 metrics["recovery/copy_gb_per_s"] = speed
             self.logger.log_metrics(metrics, step=step)
+
+    def failover(self, failover: Failover, step: int | None = None) -> None:
+        """Record that the coordinator failed over (the logger gets ``recovery/coordinator_failover_s``)."""
+        self._append(failover.to_record(step))
+        if self.logger is not None:
+            seconds = failover.took_over_at - failover.lost_at
+            self.logger.log_metrics({"recovery/coordinator_failover_s": seconds}, step=step)
 
     def _append(self, record: dict[str, Any]) -> None:
         line = (json.dumps(record) + "\n").encode()

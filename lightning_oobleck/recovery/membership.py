@@ -66,12 +66,24 @@ message      STARTING  AGREEING  RUNNING  SETTLING
 ===========  ========  ========  =======  ========
 register     yes       yes       yes      yes
 present      yes       yes       yes      yes
+reattach     yes       yes       yes      yes
 heartbeat    yes       yes       yes      yes
 suspect      yes       yes       yes      yes
+standby_ack  yes       yes       yes      yes
 ready        -         yes       yes      yes
 admit        -         yes       yes      yes
 leave        -         yes       yes      yes
 ===========  ========  ========  =======  ========
+
+**Failover** (:mod:`~lightning_oobleck.recovery.replica` runs two machines, the active one and its standby's
+copy): the standby's copy takes over (:meth:`~MembershipMachine.take_over`, epoch + 1) when the active
+coordinator is lost: every live worker gets a heartbeat timeout to reconnect (``reattach``: bound to its new
+connection and told what it missed), after which it is declared dead; the lost coordinator's node is
+declared dead at once. A reconnecting worker that saw a newer generation than this copy (an isolated
+predecessor's) makes the next one be numbered past it. An active machine cut off from its standby is
+isolated (:meth:`~MembershipMachine.isolate`): a GO then needs at least half of each given set ready, until a
+new standby's designation (:meth:`~MembershipMachine.designate`) is acknowledged (``standby_ack``) by at least
+half of each; isolated past ``agreement_timeout`` without such a quorum, it fences its workers and gives up.
 
 A joiner is admitted only at a step boundary, when a member asks (``admit``), so that it never disturbs a
 step in progress; a node is admitted once all its ``devices_per_node`` processes are pending. A joiner may
@@ -209,6 +221,8 @@ class _Peer:
     closed: bool = False
     ended_by_peer: bool = False
     """Its end closed or reset: the process is gone, so its pid may already belong to another one."""
+    detached: bool = False
+    """A worker of the coordinator this one took over from, not reconnected yet: no connection behind it."""
 
 
 class MembershipMachine:
@@ -262,6 +276,26 @@ class MembershipMachine:
         self._told_pending = 0
         self._out: list[Effect] = []
         self._phase = Phase.STARTING
+
+        self.epoch = 0
+        """How many times the job's coordinator failed over (:meth:`take_over`)."""
+        self.standby: str | None = None
+        """The address of the standby replica the workers were last told of (:meth:`designate`)."""
+        self.designation = 0
+        """How many standbys were designated: the number the workers acknowledge a designation with."""
+        self._designation_acks: set[Worker] = set()
+        self._quorums: tuple[frozenset[Worker], ...] = ()
+        """While cut off from a standby that may still be alive: a GO needs at least half of each of these
+        sets ready (:meth:`isolate`)."""
+        self._floor = -1
+        """The newest generation a reconnecting worker reported: the next one is numbered above it."""
+        self._placeholders = 0
+        self.coordinator_pid: int | None = None
+        """The process this machine runs in, which the workers are told (a drill may kill it)."""
+        self._standby_hosts: set[Worker] = set()
+        """Workers that said they can start a standby coordinator when asked (a worker agent can)."""
+        self.abandoned = False
+        """Isolated without a quorum for ``agreement_timeout``: this coordinator gave up (``_abandon``)."""
 
     # ------------------------------------------------------------------ state
 
@@ -359,6 +393,10 @@ class MembershipMachine:
                 silent = now - peer.last_heard
                 reason = f"suspected by a peer ({peer.suspicion}), silent for {silent:.1f} s"
                 self._declare_dead(peer.worker, reason, now)
+            elif peer.detached:
+                window = peer.deadline - peer.last_heard
+                reason = f"did not reconnect within {window:g} s after the coordinator failed over"
+                self._declare_dead(peer.worker, reason, now)
             else:
                 silence = f"sent nothing for {self.settings.heartbeat_timeout:g} s (hung or stopped)"
                 self._declare_dead(peer.worker, silence, now)
@@ -373,15 +411,128 @@ class MembershipMachine:
                     f"within {self.settings.agreement_timeout:g} s"
                 )
                 self._declare_dead(w, reason, now)
+            if current.agreed_at is None and self._change_at is None and not self._quorate():
+                self._abandon(now)
         return self._effects()
+
+    # ------------------------------------------------------------------ failover
+
+    def take_over(
+        self,
+        now: float,
+        *,
+        wall_offset: float,
+        window: float,
+        lost_node: int | None = None,
+        host: str | None = None,
+        pid: int | None = None,
+    ) -> list[Effect]:
+        """Become the job's coordinator: this machine is the replica of one that was lost (epoch + 1).
+
+        Its connections were the lost coordinator's: every live worker gets ``window`` seconds to reconnect
+        (``reattach``), after which it is declared dead like a silent one; the workers of ``lost_node`` (the
+        node the lost coordinator ran on, if a worker node) are declared dead at once. Timers restart on this
+        host's clock (``now``, ``wall_offset``); ``host`` and ``pid`` are this host's and process's (the
+        workers are told, and fenced workers are killed on this host only)."""
+        self.epoch += 1
+        self.wall_offset = wall_offset
+        self.host = host if host is not None else self.host
+        self.coordinator_pid = pid
+        self._peers = {}
+        for worker, old in sorted(self._alive.items()):
+            self._placeholders += 1
+            peer = _Peer(-self._placeholders, now + window, worker, old.pid, old.host, last_heard=now)
+            peer.detached = True
+            self._peers[peer.conn] = self._alive[worker] = peer
+        if self._change_at is not None:
+            self._change_at = now
+        if self._agree_deadline is not None:
+            self._agree_deadline = now + self.settings.agreement_timeout
+        self._quorums, self._designation_acks, self.standby = (), set(), None
+        log.warning(
+            "coordinator epoch %d: took over; %d worker(s) to reconnect", self.epoch, len(self._alive)
+        )
+        if lost_node is not None:
+            for worker in [w for w in sorted(self._alive) if w.node == lost_node][:1]:
+                reason = f"the node of the job's coordinator (node {lost_node}) was lost"
+                self._declare_dead(worker, reason, now, explained=True)
+        return self._effects()
+
+    def isolate(self, quorums: list[frozenset[Worker]], revoke: bool, now: float) -> list[Effect]:
+        """Cut off from a standby that may be alive (silent, not closed): from now on a GO needs at least half
+        of each set in ``quorums`` ready, so that the standby, which promotes itself only on more than half
+        of one of them, and this coordinator can never both decide. ``revoke``: the current generation's GO
+        was decided but not sent (its replication was not acknowledged): it is decided again under the
+        rule. Ends once a new standby's designation is acknowledged by at least half of each set."""
+        self._quorums = tuple(q for q in quorums if q)
+        current = self._current
+        if revoke and current is not None and current.agreed_at is not None and not self._quorate():
+            log.warning(
+                "generation %d: its agreement is withheld until a quorum is ready", current.generation
+            )
+            self._current = dataclasses.replace(current, agreed_at=None)
+            self.history[-1] = self._current
+            self._phase = Phase.AGREEING if self._change_at is None else Phase.SETTLING
+            self._agree_deadline = now + self.settings.agreement_timeout
+        return self._effects()
+
+    def _abandon(self, now: float) -> None:
+        """Isolated, and no quorum was ready within ``agreement_timeout``: this coordinator is cut off with
+        less than half of the job, which another coordinator may be running. Every worker still here is
+        fenced (it cannot train safely), and nothing more is decided."""
+        reason = (
+            "the coordinator is cut off from more than half of the job's workers (a standby may have taken "
+            f"over): no quorum was ready within {self.settings.agreement_timeout:g} s"
+        )
+        log.error("giving up: %s", reason)
+        self.abandoned = True
+        for worker in sorted(self._alive):
+            peer = self._alive.pop(worker)
+            self._send(peer, "fenced", reason=reason)
+            self._close(peer)
+        self._agree_deadline = None
+
+    @property
+    def isolated(self) -> bool:
+        """Whether a GO needs a quorum (:meth:`isolate`)."""
+        return bool(self._quorums)
+
+    def designate(self, standby: str | None, now: float) -> list[Effect]:
+        """Tell every live worker that ``standby`` (an address) takes over if this coordinator is lost; they
+        acknowledge it (``standby_ack``) and from then on reconnect to it only."""
+        self.standby = standby
+        self.designation += 1
+        self._designation_acks = set()
+        for peer in self._alive.values():
+            self._send(peer, "standby", address=standby, designation=self.designation)
+        return self._effects()
+
+    def connection_of(self, worker: Worker) -> int | None:
+        """The connection ``worker`` is registered on, if it is alive and connected."""
+        peer = self._alive.get(worker)
+        return None if peer is None or peer.detached else peer.conn
+
+    def can_host_standby(self, worker: Worker) -> bool:
+        """Whether ``worker`` said it can start a standby coordinator when asked."""
+        return worker in self._standby_hosts
+
+    def dead_node_reason(self, node: int) -> str | None:
+        """Why node ``node`` was declared dead, if it was."""
+        return self._dead_nodes.get(node)
+
+    def node_name(self, worker: Worker) -> str | None:
+        """The node ``worker`` runs on, as its user names it (what it said when it registered)."""
+        return self._names.get(worker)
 
     # ------------------------------------------------------------------ messages
 
     def _handle(self, peer: _Peer, msg: dict[str, Any], now: float) -> None:
         op = str(msg.get("op"))
-        first = op in ("register", "present")
+        first = op in ("register", "present", "reattach")
         if peer.worker is None and (not first or peer.present is not None):
-            self._refuse(peer, f"the first and only message must be 'register' or 'present', got {op!r}")
+            self._refuse(
+                peer, f"the first and only message must be 'register', 'present' or 'reattach', got {op!r}"
+            )
             return
         handler = DISPATCH.get((self._phase, op))
         if peer.worker is not None and (first or op not in MESSAGES):
@@ -407,6 +558,76 @@ class MembershipMachine:
 
     def _on_present(self, peer: _Peer, msg: dict[str, Any], now: float) -> None:
         self._present(peer, msg)
+
+    def _on_standby_ack(self, peer: _Peer, msg: dict[str, Any], now: float) -> None:
+        if int(msg["designation"]) != self.designation or peer.worker is None:
+            return
+        self._designation_acks.add(peer.worker)
+        if self._quorums and all(2 * len(q & self._designation_acks) >= len(q) for q in self._quorums):
+            log.info("the standby's designation is acknowledged by a quorum: no quorum needed any more")
+            self._quorums = ()
+            self._maybe_go(now)
+
+    def _on_reattach(self, peer: _Peer, msg: dict[str, Any], now: float) -> None:
+        """A worker of the coordinator this one took over from reconnects: it is bound to this connection and
+        told what it missed (the newest announcement, its agreement, a change under way, the joiners)."""
+        if not self._authentic(peer, msg):
+            return
+        worker = Worker(int(msg["node"]), int(msg["device"]))
+        announced, agreed = int(msg.get("announced", -1)), int(msg.get("agreed", -1))
+        current = self._current
+        if announced > (current.generation if current else -1):
+            # an isolated predecessor announced generations this replica never saw: number past them (what
+            # a worker of a dead node saw counts too)
+            self._floor = max(self._floor, announced)
+            self._schedule_change(now, 0.0)
+        holder = self._alive.get(worker)
+        if worker.node in self._dead_nodes:
+            self._send(
+                peer,
+                "fenced",
+                reason=f"node {worker.node} was declared dead ({self._dead_nodes[worker.node]})",
+            )
+            self._close(peer)
+            return
+        if holder is None or not holder.detached:
+            why = (
+                "already left the training"
+                if worker in self.finished
+                else "is not a worker this coordinator waits for"
+            )
+            if holder is not None:
+                why = "is connected already"
+            self._refuse(peer, f"worker {tuple(worker)} {why}")
+            return
+        del self._peers[holder.conn]
+        peer.worker, peer.pid, peer.host = worker, holder.pid, holder.host
+        peer.deadline = now + self.settings.heartbeat_timeout
+        self._alive[worker] = peer
+        log.info("%s reconnected (epoch %d)", self._who(worker), self.epoch)
+        self._welcome(peer)
+        if current is None or worker not in current.workers:
+            return
+        if current.generation > announced:
+            self._send(peer, "announce", **current.to_message())
+        elif self._change_at is not None:
+            self._send(
+                peer,
+                "abort",
+                generation=current.generation,
+                suspects=[],
+                detected_at=self._change_detected_at,
+            )
+        if current.agreed_at is not None and agreed < current.generation and self._change_at is None:
+            self._send(
+                peer,
+                "go",
+                generation=current.generation,
+                workers=[list(m) for m in current.workers],
+                agreed_at=current.agreed_at,
+            )
+        if self.pending:
+            self._send(peer, "joiners", nodes=len({w.node for w in self.pending}))
 
     def _authentic(self, peer: _Peer, msg: dict[str, Any]) -> bool:
         if self.secret is not None and not hmac.compare_digest(str(msg.get("secret", "")), self.secret):
@@ -468,15 +689,11 @@ class MembershipMachine:
         peer.worker, peer.pid, peer.host = worker, msg.get("pid"), msg.get("host")
         if msg.get("name"):
             self._names[worker] = str(msg["name"])
+        if msg.get("can_host_standby"):
+            self._standby_hosts.add(worker)
         peer.deadline = now + self.settings.heartbeat_timeout
         self._alive[worker] = peer
-        self._send(
-            peer,
-            "welcome",
-            node=worker.node,
-            heartbeat_interval=self.settings.heartbeat_interval,
-            heartbeat_timeout=self.settings.heartbeat_timeout,
-        )
+        self._welcome(peer)
         log.info("%s registered (pid %s)", self._who(worker), peer.pid)
         if self._current is None:
             self._maybe_start(now)
@@ -484,6 +701,22 @@ class MembershipMachine:
             log.info("%s is pending: it joins at the next step boundary", self._who(worker))
             self._tell_pending()
             self._release_joiners_if_over()
+
+    def _welcome(self, peer: _Peer) -> None:
+        """Welcome a registered or reconnected worker: its node id, the epoch, the detector's timeouts, and
+        the standby to reconnect to should this coordinator be lost."""
+        assert peer.worker is not None
+        self._send(
+            peer,
+            "welcome",
+            node=peer.worker.node,
+            epoch=self.epoch,
+            heartbeat_interval=self.settings.heartbeat_interval,
+            heartbeat_timeout=self.settings.heartbeat_timeout,
+            coordinator={"host": self.host, "pid": self.coordinator_pid},
+        )
+        if self.standby is not None:
+            self._send(peer, "standby", address=self.standby, designation=self.designation)
 
     def _fresh_node_id(self) -> int:
         """A node id that no worker of the job ever had (a node that comes back is a new node)."""
@@ -652,7 +885,7 @@ class MembershipMachine:
             workers = tuple(sorted(self._alive))
             removed, added = tuple(sorted(self._lost_before_start)), ()
         else:
-            if not workers or workers == self._current.workers:
+            if not workers or (workers == self._current.workers and self._floor < self._current.generation):
                 self._phase = Phase.RUNNING if self._current.agreed_at is not None else Phase.AGREEING
                 self._maybe_go(now)
                 return
@@ -664,7 +897,7 @@ class MembershipMachine:
         causes = [f"{tuple(d.worker)} {d.reason}" for d in self.deaths if d.worker in removed]
         causes += [f"{tuple(w)} left (finished)" for w in removed if w in self.finished]
         causes += [f"{tuple(w)} joined" for w in added] if self._current else ["start"]
-        generation = self._current.generation + 1 if self._current else 0
+        generation = max(self._current.generation + 1 if self._current else 0, self._floor + 1)
         self._current = Membership(
             generation, workers, removed, added, "; ".join(causes), detected_at=self._change_detected_at
         )
@@ -681,11 +914,18 @@ class MembershipMachine:
             self._send(self._alive[w], "announce", **self._current.to_message())
         self._tell_pending()
 
+    def _quorate(self) -> bool:
+        """At least half of each quorum set is ready (or left): always, when not isolated."""
+        ready = self._ready | self.finished
+        return all(2 * len(q & ready) >= len(q) for q in self._quorums)
+
     def _maybe_go(self, now: float) -> None:
         current = self._current
         if current is None or current.agreed_at is not None or self._change_at is not None:
             return  # nothing to agree, or a newer generation is about to be announced
         if not set(current.workers) <= self._ready | self.finished:
+            return
+        if not self._quorate():
             return
         self._current = dataclasses.replace(current, agreed_at=now + self.wall_offset)
         self.history[-1] = self._current
@@ -716,7 +956,7 @@ class MembershipMachine:
         self._close(peer)
 
     def _send(self, peer: _Peer, op: str, **fields: Any) -> None:
-        if not peer.closed:
+        if not peer.closed and not peer.detached:
             self._out.append(Send(peer.conn, op, fields))
 
     def _close(self, peer: _Peer) -> None:
@@ -741,6 +981,8 @@ _HANDLERS: dict[str, tuple[Handler, tuple[Phase, ...]]] = {
     "ready": (MembershipMachine._on_ready, _STARTED),  # in RUNNING: stale, ignored once its fields parse
     "admit": (MembershipMachine._on_admit, _STARTED),
     "leave": (MembershipMachine._on_leave, _STARTED),
+    "reattach": (MembershipMachine._on_reattach, _ALWAYS),
+    "standby_ack": (MembershipMachine._on_standby_ack, _ALWAYS),
 }
 MESSAGES = frozenset(_HANDLERS)
 """The messages a worker or a client may send (anything else is logged and ignored)."""

@@ -7,8 +7,10 @@ is one JSON object on one line (UTF-8, terminated by ``\\n``) with an ``"op"`` f
 
 Worker -> coordinator::
 
-    register  {node, device, pid, host, name, secret, [heartbeat_timeout, agreement_timeout], [node_key]}
-                                          first message; answered by welcome, refused or fenced. The
+    register  {node, device, pid, host, name, secret, [heartbeat_timeout, agreement_timeout], [node_key],
+               [can_host_standby]}
+                                          first message; answered by welcome, refused or fenced (or
+                                          redirect: not the active coordinator, try the next). The
                                           first registration's timeouts become the job's; a later one
                                           asking for others is refused. ``node`` null: a joiner whose
                                           node id the coordinator gives (one per ``node_key``). ``name``:
@@ -24,11 +26,21 @@ Worker -> coordinator::
     admit     {generation, nodes}         a step boundary after generation g's commit that saw pending
                                           joiners: admit up to ``nodes`` whole nodes of them now
                                           (answered by the announcement of g+1, or nothing_to_admit)
+    standby_ack {designation}             the standby designation ``designation`` was received
+    reattach  {node, device, secret, announced, agreed, epoch}
+                                          first message on a connection to the standby, once the active
+                                          coordinator was lost: a vote for the standby; answered by
+                                          welcome once it took over (then what the worker missed), or
+                                          fenced / refused
+    exited    {node, device, reason, secret}
+                                          from the local launcher, on a connection of its own: a process
+                                          ended (it matters for one that never registered)
 
 Coordinator -> worker::
 
-    welcome   {node, heartbeat_interval, heartbeat_timeout}
-                                          ``node``: the worker's node id (given, for a joiner)
+    welcome   {node, epoch, heartbeat_interval, heartbeat_timeout}
+                                          ``node``: the worker's node id (given, for a joiner); ``epoch``:
+                                          how many times the coordinator failed over
     ack       {}                          reply to a heartbeat (the worker's view of coordinator liveness)
     abort     {generation, suspects, detected_at}
                                           a member of the current generation is dead: stop communicating
@@ -41,6 +53,13 @@ Coordinator -> worker::
     finished  {reason}                    to a pending joiner: the training ended before it was admitted
     fenced    {reason}                    you were declared dead: exit now (the connection is then closed)
     refused   {reason}                    the registration is invalid (the connection is then closed)
+    redirect  {reason}                    this is the standby, not the active coordinator
+    standby   {address, designation}      where the standby is: reconnect there if this one is lost
+    host_standby {follow, loopback, join_file}
+                                          start a standby coordinator on this node, following ``follow``
+
+The coordinators' own link (:mod:`~lightning_oobleck.recovery.replica`): ``follow`` (standby -> active),
+``snapshot``, ``replicate``, ``dismissed``, ``finished``, ``deposed`` (active -> standby), ``ack``.
 
 Timestamps (``*_at``) are wall-clock seconds (``time.time()``) of the coordinator's host, so events of
 several processes line up on one time axis.
@@ -154,6 +173,16 @@ def node_name() -> str:
     return os.environ.get("SLURMD_NODENAME") or socket.gethostname()
 
 
+def parse_addresses(value: str) -> list[str]:
+    """``"host:port,host:port"`` (the job's coordinators, the active first) -> the addresses, each checked."""
+    addresses = [a.strip() for a in value.split(",") if a.strip()]
+    if not addresses:
+        raise ValueError(f"no coordinator address in {value!r} (expected HOST:PORT[,HOST:PORT])")
+    for address in addresses:
+        parse_address(address)
+    return addresses
+
+
 def parse_address(address: str) -> tuple[str, int]:
     """``"host:port"`` -> ``(host, port)``, with an error that shows the expected form."""
     host, sep, port = address.rpartition(":")
@@ -167,16 +196,18 @@ def encode(op: str, **fields: Any) -> bytes:
 
 
 class LineReader:
-    """Splits a byte stream into protocol messages; keeps an incomplete last line for the next feed."""
+    """Splits a byte stream into protocol messages; keeps an incomplete last line for the next feed; a line
+    longer than ``max_line`` bytes is not from the job."""
 
-    def __init__(self) -> None:
+    def __init__(self, max_line: int = MAX_LINE_BYTES) -> None:
         self._buffer = bytearray()
+        self._max_line = max_line
 
     def feed(self, data: bytes) -> list[dict[str, Any]]:
         self._buffer += data
         *lines, rest = self._buffer.split(b"\n")
-        if len(rest) > MAX_LINE_BYTES:
-            raise ValueError(f"protocol line longer than {MAX_LINE_BYTES} bytes: not an oobleck peer")
+        if len(rest) > self._max_line:
+            raise ValueError(f"protocol line longer than {self._max_line} bytes: not an oobleck peer")
         self._buffer = bytearray(rest)
         return [json.loads(line) for line in lines if line.strip()]
 

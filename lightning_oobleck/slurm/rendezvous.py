@@ -1,15 +1,13 @@
 """The job's supervisor, run on the SLURM batch host: ``python -m lightning_oobleck.slurm.rendezvous``.
 
 The batch script starts it in the background before ``srun`` and exports its two addresses to every task:
-``OOBLECK_STORE_ADDR=host:port``, the job's key store (:mod:`lightning_oobleck.recovery.keystore`: the store
-all ranks rendezvous through, generation after generation; read by
-:mod:`lightning_oobleck.lightning.environment`; it answers only processes that present the job's secret,
-exported beside the addresses), and
 ``OOBLECK_COORDINATOR_ADDR=host:port``, the recovery :class:`~lightning_oobleck.recovery.Coordinator` (the
-failure detector and membership authority each task's ``WorkerAgent`` connects to). Both live in a process of
-their own, so that the loss of any training task, rank 0 included, leaves them running. Its host, the batch
-host, is the job's single point of failure: SLURM keeps a job whose batch host died in RUNNING until its
-``--time`` ends, which is why the time limit is mandatory.
+failure detector and membership authority each task's ``WorkerAgent`` connects to), which also serves
+``OOBLECK_STORE_ADDR``, the job's store (:mod:`lightning_oobleck.recovery.keystore`: the store all ranks
+rendezvous through, generation after generation; read by :mod:`lightning_oobleck.lightning.environment`; it
+answers only processes that present the job's secret, exported beside the addresses). It lives in a process
+of its own, so that the loss of any training task, rank 0 included, leaves it running; a task of another
+node starts its standby, which takes over if the batch host is lost.
 
 Two ways to run it::
 
@@ -63,22 +61,23 @@ def serve(
     command: Sequence[str] = (),
     setup: Sequence[str] = (),
 ) -> None:
-    """Host the store on ``port`` (0: any free port) and a coordinator for ``world_size`` workers (any free
-    port), print the ``export`` line, write the job's join file (:mod:`~lightning_oobleck.slurm.join`:
-    ``command`` is the training's and ``setup`` its batch script's setup lines, for the join jobs), serve
-    until told to stop. The coordinator listens on
-    ``bind`` (default: the address ``host`` resolves to, the interface the tasks reach this host by)."""
-    # Imported here, not at the top: ``--detach`` returns the address sooner without torch's import.
+    """Host the job's coordinator (its store too) for ``world_size`` workers on ``port`` (0: any free port),
+    print the ``export`` line, write the job's join file (:mod:`~lightning_oobleck.slurm.join`: ``command``
+    is the training's and ``setup`` its batch script's setup lines, for the join jobs; the coordinators keep
+    its addresses current), serve until told to stop. It listens on ``bind`` (default: the address ``host``
+    resolves to, the interface the tasks reach this host by). A worker of another node starts its standby."""
+    # Imported here, not at the top: ``--detach`` returns the address sooner without these imports.
     from lightning_oobleck.recovery import ADDRESS_ENV, Coordinator
-    from lightning_oobleck.recovery.keystore import KeyStoreServer
+    from lightning_oobleck.recovery.coordinator import interface_of
     from lightning_oobleck.recovery.membership import MembershipSettings
     from lightning_oobleck.recovery.protocol import SECRET_ENV
+    from lightning_oobleck.recovery.replica import ReplicaSettings
 
     # The coordinator's registrations, deaths and generations go to this process's log (``--log``).
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s", stream=sys.stderr)
     secret = secrets.token_hex(16)  # joiners read it from the join file, readable by the user only
-    interface = bind or interface_of(host)
-    store = KeyStoreServer(secret, interface, port).start()
+    job_id = os.environ.get("SLURM_JOB_ID")
+    joining = join_file(os.getcwd(), job_id) if job_id else None
     # Fenced workers on this host are SIGKILLed so that their gloo peers see them gone at once; tasks on
     # other hosts fence themselves.
     tasks_per_node = _env_int("SLURM_NTASKS_PER_NODE") or 1
@@ -87,30 +86,31 @@ def serve(
     )
     coordinator = Coordinator(
         world_size,
-        interface,
+        bind or interface_of(host),
+        port,
         settings=settings,
         advertise_host=host,
         secret=secret,
-    ).start()
-    assert coordinator.secret is not None
+        node=_env_int("SLURM_NODEID") or 0 if job_id else None,  # the batch host: the allocation's first node
+        replica_settings=ReplicaSettings(join_file=str(joining) if joining else None),
+    )
     exports = {
-        STORE_ADDR_VAR: f"{host}:{store.port}",
+        STORE_ADDR_VAR: coordinator.address,  # the store is the coordinator's
         ADDRESS_ENV: coordinator.address,
-        SECRET_ENV: coordinator.secret,  # for the tasks: the batch script evals this line, never prints it
+        SECRET_ENV: secret,  # for the tasks: the batch script evals this line, never prints it
     }
-    job_id = os.environ.get("SLURM_JOB_ID")
-    joining = join_file(os.getcwd(), job_id) if job_id else None
     if joining is not None:
         info = JoinInfo(
             job_id,
-            exports[STORE_ADDR_VAR],
             coordinator.address,
-            coordinator.secret,
+            coordinator.address,
+            secret,
             tasks_per_node,
             tuple(command),
             tuple(setup),
         )
         write_join_file(joining, info)
+    coordinator.start()
     print("export " + " ".join(f"{k}={shlex.quote(v)}" for k, v in exports.items()), flush=True)
     stop = threading.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
@@ -123,7 +123,6 @@ def serve(
         if joining is not None:
             joining.unlink(missing_ok=True)
         coordinator.stop()
-        store.stop()
 
 
 def detach(argv: Sequence[str], log_path: str, timeout_s: float = STARTUP_TIMEOUT_S) -> str:
@@ -148,16 +147,6 @@ def detach(argv: Sequence[str], log_path: str, timeout_s: float = STARTUP_TIMEOU
     # The server prints nothing more on stdout; closing our end cannot stop it.
     child.stdout.close()
     return line
-
-
-def interface_of(host: str) -> str:
-    """The address ``host`` resolves to here: the tasks resolve the same name to reach this host, so the
-    coordinator need not listen on any other interface. ``0.0.0.0`` (every interface) if it does not
-    resolve."""
-    try:
-        return socket.gethostbyname(host)
-    except OSError:
-        return "0.0.0.0"
 
 
 def _alive(pid: int) -> bool:

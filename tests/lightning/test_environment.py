@@ -51,7 +51,8 @@ def test_local_worker_position_comes_from_the_launcher(monkeypatch: pytest.Monke
     env = LocalOobleckEnvironment()
     assert (env.global_rank(), env.world_size(), env.node_rank(), env.local_rank()) == (5, 6, 2, 1)
     assert env.worker == (2, 1)  # node = 5 // 2, device = 5 % 2
-    assert env.store_address == ("127.0.0.1", 1234)
+    assert env.store_address == "127.0.0.1:1234"
+    assert (env.main_address, env.main_port) == ("127.0.0.1", 1234)
     assert env.creates_processes_externally  # a worker never launches workers of its own
 
 
@@ -68,7 +69,7 @@ def test_local_supervisor_side_launches_and_has_no_store_yet(monkeypatch: pytest
 def test_slurm_position_is_read_once_and_the_ranks_can_shrink(slurm_task, monkeypatch: pytest.MonkeyPatch):
     env = OobleckSLURMEnvironment()
     assert (env.global_rank(), env.world_size(), env.node_rank(), env.local_rank()) == (5, 6, 2, 1)
-    assert env.store_address == ("batchhost", 29500) and env.main_port == 29500
+    assert env.store_address == "batchhost:29500" and env.main_port == 29500
     assert env.job_id == "4242" and env.nodelist == "node[001-003]"
     monkeypatch.setenv("SLURM_PROCID", "0")  # stale or changed variables after the start are never read
     monkeypatch.setenv("SLURM_NTASKS", "99")
@@ -100,6 +101,9 @@ def test_slurm_errors_name_the_problem_and_the_fix(slurm_task, monkeypatch: pyte
         OobleckSLURMEnvironment({"SLURM_NTASKS": "2", "SLURM_NODEID": "0"})
     monkeypatch.setenv("OOBLECK_STORE_ADDR", "batchhost")
     with pytest.raises(ValueError, match="OOBLECK_STORE_ADDR='batchhost' is not 'host:port'"):
+        _ = env.store_address
+    monkeypatch.setenv("OOBLECK_STORE_ADDR", "batchhost:29500,node002")  # the coordinators, one of them bad
+    with pytest.raises(ValueError, match="OOBLECK_STORE_ADDR='node002' is not 'host:port'"):
         _ = env.store_address
 
 

@@ -34,8 +34,7 @@ class ExitRecorder:
         self.store: KeyStoreClient | None = None
 
     def start(self, supervisor: Supervisor) -> None:
-        assert supervisor.store is not None
-        self.store = KeyStoreClient(supervisor.host, supervisor.store.port, supervisor.secret, STORE_TIMEOUT)
+        self.store = KeyStoreClient(supervisor.store_addr, supervisor.secret, STORE_TIMEOUT)
         supervisor.worker_env["RECORDER_ADDR"] = f"recorder-of-{supervisor.world_size}"
 
     def worker_exited(self, rank: int, exitcode: int) -> None:
@@ -49,7 +48,7 @@ class ExitRecorder:
 
 def _store() -> KeyStoreClient:
     env = LocalOobleckEnvironment()
-    return KeyStoreClient(*env.store_address, env.secret, STORE_TIMEOUT)
+    return KeyStoreClient(env.store_address, env.secret, STORE_TIMEOUT)
 
 
 def report_position() -> int:
@@ -235,12 +234,12 @@ def test_bad_arguments_are_refused_with_the_fix():
 
 def test_supervisor_store_serves_the_jobs_processes_only():
     with Supervisor(2) as supervisor:
-        host, port = supervisor.store_addr.rsplit(":", 1)
-        assert host == "127.0.0.1"  # a local run: loopback only
-        client = KeyStoreClient(host, int(port), supervisor.worker_env[SECRET_ENV], STORE_TIMEOUT)
+        address = supervisor.store_addr
+        assert address.startswith("127.0.0.1:")  # a local run: loopback only
+        client = KeyStoreClient(address, supervisor.worker_env[SECRET_ENV], STORE_TIMEOUT)
         client.set("k", "v")
-        assert KeyStoreClient(host, int(port), supervisor.secret, STORE_TIMEOUT).get("k") == b"v"
-        with pytest.raises(KeyStoreError, match="refused this process: refused: wrong secret"):
-            KeyStoreClient(host, int(port), "guessed", STORE_TIMEOUT)
+        assert KeyStoreClient(address, supervisor.secret, STORE_TIMEOUT).get("k") == b"v"
+        with pytest.raises(KeyStoreError, match="refused this process: refused: the job's secret"):
+            KeyStoreClient(address, "guessed", STORE_TIMEOUT)
     with pytest.raises(RuntimeError, match="not started"):
         _ = supervisor.store_addr

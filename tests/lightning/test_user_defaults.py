@@ -208,13 +208,15 @@ def test_an_error_on_one_rank_is_a_fault_and_is_survived(
 
 class Stranger(threading.Thread):
     """A process on the job's network that knows nothing of it: every 20 ms it connects to every TCP port the
-    supervisor (this process) opened since the stranger started, the store's and the coordinator's, and
-    tries to write a key, to read the plan and to register as a worker, keeping each answer with its time."""
+    job's coordinators (the active one, which the supervisor started, and the standbys its workers start)
+    opened since the stranger started, and tries to write a key, to read the plan and to register as a
+    worker, keeping each answer with its time."""
 
     ATTEMPTS = (
         b'{"op":"set","key":"oobleck/run0/stray","value":"eA=="}\n',
         b'{"op":"get","key":"oobleck/run0/plan","timeout_s":1}\n',
         b'{"op":"register","node":9,"device":0,"pid":1,"host":"elsewhere"}\n',
+        b'{"op":"follow","address":"127.0.0.1:1"}\n',
     )
 
     def __init__(self) -> None:
@@ -240,14 +242,30 @@ class Stranger(threading.Thread):
 
     @staticmethod
     def listening_ports() -> set[int]:
+        """The ports the coordinators among this process's descendants listen on."""
+        children: dict[int, list[int]] = {}
+        for entry in os.listdir("/proc"):
+            with contextlib.suppress(OSError, ValueError, IndexError):
+                parent = int(Path(f"/proc/{entry}/stat").read_text().rsplit(")", 1)[1].split()[1])
+                children.setdefault(parent, []).append(int(entry))
+        descendants, todo = [], [os.getpid()]
+        while todo:
+            pid = todo.pop()
+            descendants.append(pid)
+            todo += children.get(pid, [])
         inodes = set()
-        for fd in os.listdir("/proc/self/fd"):
+        for pid in descendants:
             with contextlib.suppress(OSError):
-                inodes.add(os.readlink(f"/proc/self/fd/{fd}").removeprefix("socket:[").removesuffix("]"))
+                if b"lightning_oobleck.recovery" not in Path(f"/proc/{pid}/cmdline").read_bytes():
+                    continue
+                for fd in os.listdir(f"/proc/{pid}/fd"):
+                    with contextlib.suppress(OSError):
+                        link = os.readlink(f"/proc/{pid}/fd/{fd}")
+                        inodes.add(link.removeprefix("socket:[").removesuffix("]"))
         ports = set()
         for table in ("/proc/net/tcp", "/proc/net/tcp6"):
             for fields in (line.split() for line in Path(table).read_text().splitlines()[1:]):
-                if fields[3] == "0A" and fields[9] in inodes:  # LISTEN, one of ours
+                if fields[3] == "0A" and fields[9] in inodes:  # LISTEN, a coordinator's
                     ports.add(int(fields[1].rsplit(":", 1)[1], 16))
         return ports
 
@@ -258,8 +276,9 @@ def test_a_hand_written_layout_recovers_while_a_stranger_at_every_port_reads_and
 ) -> None:
     """A pinned layout is profiled like an automatic plan: rank 0's loss at step 3 is recovered in place
     from the planner's templates. Through start-up, training, that failure and its recovery, a stranger
-    knocks at the store and the coordinator (both on loopback only) with writes, reads and registrations:
-    each is refused, and the run ends with the weights of the uninterrupted one."""
+    knocks at the coordinators that serve the store (the active one and its standbys, on loopback only)
+    with writes, reads, registrations and a request to follow: each is refused, and the run ends with the
+    weights of the uninterrupted one."""
     monkeypatch.chdir(tmp_path)
     stranger = Stranger()
     stranger.start()
@@ -273,7 +292,8 @@ def test_a_hand_written_layout_recovers_while_a_stranger_at_every_port_reads_and
     [recovery] = read_events(events)[1]
     assert recovery.removed == [[0, 0]]
     answered = [(at, port, answer) for at, port, answer in stranger.answers if answer]
-    assert len({port for _, port, _ in answered}) == 2, stranger.ports  # the store and the coordinator
+    # the active coordinator and its standbys: node 0, lost, hosted the first; another was started
+    assert len({port for _, port, _ in answered}) >= 2, stranger.ports
     assert all(b"refused" in answer for _, _, answer in answered), {a for _, _, a in answered}
     assert any(at < recovery.detected_at for at, _, _ in answered)
     assert any(recovery.detected_at <= at <= recovery.resumed_at + 1 for at, _, _ in answered)

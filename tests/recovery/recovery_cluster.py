@@ -1,4 +1,4 @@
-"""Test harness: a coordinator and the job's store in the test process, and real worker processes.
+"""Test harness: a coordinator (the job's store too) in the test process, and real worker processes.
 
 ``Cluster`` starts ``recovery_worker.py`` processes (one per ``(node, device)``), lets tests signal
 them for real and read what each one reported. Every wait is bounded; leaving the ``with`` block
@@ -18,11 +18,11 @@ from typing import Any
 from dist_harness import ScriptProcess
 
 from lightning_oobleck.recovery import Coordinator, Membership, Worker
-from lightning_oobleck.recovery.keystore import KeyStoreServer
 from lightning_oobleck.recovery.membership import MembershipSettings
+from lightning_oobleck.recovery.replica import ReplicaSettings
 
 STORE_SECRET = "the-tests-job"
-"""The secret of the test run's store."""
+"""The secret of the test run's coordinator and store."""
 
 WORKER_SCRIPT = Path(__file__).with_name("recovery_worker.py")
 
@@ -48,6 +48,7 @@ class Cluster:
         settle_s: float = 0.1,
         agreement_timeout: float = 10.0,
         worker_args: dict[tuple[int, int], list[str]] | None = None,
+        standby: bool = False,
     ) -> None:
         self.directory = directory
         self.stop_file = directory / "stop"
@@ -58,8 +59,9 @@ class Cluster:
             settings=MembershipSettings(
                 heartbeat_timeout=heartbeat_timeout, settle_s=settle_s, agreement_timeout=agreement_timeout
             ),
+            secret=STORE_SECRET,
+            replica_settings=ReplicaSettings(standby=standby),
         ).start()
-        self.store = KeyStoreServer(STORE_SECRET).start()
         self.procs: dict[Worker, ScriptProcess] = {}
         for worker in workers:
             self.spawn(Worker(*worker), (worker_args or {}).get(worker, []))
@@ -68,7 +70,7 @@ class Cluster:
         """Start the process of ``worker`` (at any time: after the start, it joins the run)."""
         command = [
             f"--coordinator={self.coordinator.address}",
-            f"--store-port={self.store.port}",
+            f"--store={self.coordinator.address}",
             f"--store-secret={STORE_SECRET}",
             f"--node={worker.node}",
             f"--device={worker.device}",
@@ -93,7 +95,6 @@ class Cluster:
                 os.kill(proc.pid, signal.SIGKILL)  # also ends a stopped process
                 proc.wait(timeout=10)
         self.coordinator.stop()
-        self.store.stop()
 
     def _out(self, worker: Worker) -> Path:
         return self.directory / f"worker-{worker.node}-{worker.device}.jsonl"

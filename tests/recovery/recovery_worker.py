@@ -60,8 +60,10 @@ class Run:
         self.args = args
         self.me = (args.node, args.device)
         self.out = open(args.out, "a", buffering=1)  # noqa: SIM115 (the process ends with os._exit)
-        self.store = KeyStoreClient("127.0.0.1", args.store_port, args.store_secret, timeout=GROUP_TIMEOUT)
-        self.agent = WorkerAgent(self.me, args.coordinator, connect_timeout=20.0).start()
+        self.store = KeyStoreClient(args.store, args.store_secret, timeout=GROUP_TIMEOUT)
+        self.agent = WorkerAgent(
+            self.me, args.coordinator, connect_timeout=20.0, secret=args.store_secret
+        ).start()
         self.events = EventLog(args.events) if args.events else None
         self.graveyard: list[dist.ProcessGroup] = []
         self.step = 0
@@ -152,7 +154,7 @@ class Run:
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--coordinator", required=True)
-    parser.add_argument("--store-port", type=int, required=True)
+    parser.add_argument("--store", required=True, help="the coordinator that serves the store")
     parser.add_argument("--store-secret", required=True)
     parser.add_argument("--node", type=int, required=True)
     parser.add_argument("--device", type=int, default=0)

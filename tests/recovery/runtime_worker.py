@@ -154,7 +154,7 @@ class Host:
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--coordinator", required=True)
-    parser.add_argument("--store-port", type=int, required=True)
+    parser.add_argument("--store", required=True, help="the coordinator that serves the store")
     parser.add_argument("--store-secret", required=True)
     parser.add_argument("--node", type=int)
     parser.add_argument("--node-key")
@@ -181,9 +181,13 @@ def main() -> None:
             kinds[fault] = kind
             arm(fault, report=lambda fault: report("fault", fault=kinds[fault], at=fault.step))
 
-    store = KeyStoreClient("127.0.0.1", args.store_port, args.store_secret, timeout=GROUP_TIMEOUT)
+    store = KeyStoreClient(args.store, args.store_secret, timeout=GROUP_TIMEOUT)
     agent = WorkerAgent(
-        (args.node, 0), args.coordinator, connect_timeout=60.0, node_key=args.node_key
+        (args.node, 0),
+        args.coordinator,
+        connect_timeout=60.0,
+        node_key=args.node_key,
+        secret=args.store_secret,
     ).start()
     admission = None
     if args.node_key:

@@ -138,16 +138,16 @@ def test_a_joiner_without_the_secret_cannot_join_a_running_training() -> None:
 
 def test_the_local_supervisor_hands_the_secret_to_its_workers_only() -> None:
     from lightning_oobleck.lightning.launcher import Supervisor
-    from lightning_oobleck.recovery.service import CoordinatorService
 
-    service = CoordinatorService()
-    with Supervisor(1, services=[service]) as supervisor:
-        assert service.coordinator is not None
+    with Supervisor(1) as supervisor:
         secret = supervisor.worker_env[SECRET_ENV]
-        assert len(secret) >= 32 and secret == service.coordinator.secret
-        assert service.coordinator.allow_joins  # replacements: the supervisor gives them the secret
+        assert len(secret) >= 32
         assert SECRET_ENV not in os.environ  # the supervisor's own environment does not carry it
-        agent = WorkerAgent((0, 0), supervisor.worker_env["OOBLECK_COORDINATOR_ADDR"], secret=secret).start()
+        address = supervisor.worker_env["OOBLECK_COORDINATOR_ADDR"]
+        assert address.startswith("127.0.0.1:")  # a local run: loopback only
+        with pytest.raises(RegistrationRefused, match="secret is missing or wrong"):
+            WorkerAgent((0, 0), address, secret="guess", connect_timeout=5).start()
+        agent = WorkerAgent((0, 0), address, secret=secret).start()
         agent.agree(after=-1, timeout=10)
         agent.close()
-        assert service.coordinator.wait_done(timeout=10)
+        assert supervisor.coordinator is not None and supervisor.coordinator.process.wait(timeout=10) == 0

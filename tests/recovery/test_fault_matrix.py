@@ -53,7 +53,7 @@ from lightning_oobleck.planning.planner import make_plan
 from lightning_oobleck.planning.profile import LayerProfile, ModelProfile
 from lightning_oobleck.recovery import read_events
 from lightning_oobleck.testing import Fault as PointFault
-from lightning_oobleck.testing import FaultAction, FaultPoint, arm
+from lightning_oobleck.testing import FaultAction, FaultPoint, FaultTarget, arm
 
 SEED, STEPS, CLIP, GLOBAL_BATCH, MICRO, SAMPLES = 3, 5, 0.05, 12, 2, 36
 
@@ -70,12 +70,13 @@ in its first ``REDUCE`` action."""
 
 
 class Fault(NamedTuple):
-    """A signal a worker sends itself at a moment (``when``) of a step; ``device`` picks the process of
-    the node."""
+    """A signal a worker sends itself (or the job's coordinator: ``target``) at a moment (``when``) of a
+    step; ``device`` picks the process of the node."""
 
     signal: int
     when: str
     device: int = 0
+    target: str = "worker"
 
 
 class Faults(L.Callback):
@@ -98,7 +99,7 @@ class Faults(L.Callback):
         REDUCE: (FaultPoint.REDUCE, 1),
     }
 
-    def __init__(self, out: Path, faults: dict[tuple[int, int], Fault]) -> None:
+    def __init__(self, out: Path, faults: dict[tuple[int, int], Fault | list[Fault]]) -> None:
         self.out, self.faults = out, faults
         self.fed: list[tuple[int, torch.Tensor]] = []
 
@@ -107,14 +108,19 @@ class Faults(L.Callback):
         self.worker = trainer.strategy.worker
         self.name = f"{self.worker[0]}.{self.worker[1]}"
         self.engine = lambda: trainer.strategy.engine
-        for (node, step), fault in self.faults.items():
-            if (node, fault.device) == tuple(self.worker) and fault.when in self.POINTS:
-                point, occurrence = self.POINTS[fault.when]
-                action = FaultAction.STALL if fault.signal == signal.SIGSTOP else FaultAction.KILL
-                arm(PointFault(point, action, step=step, occurrence=occurrence), report=self._record)
+        for (node, step), faults in self.faults.items():
+            for fault in faults if isinstance(faults, list) else [faults]:
+                if (node, fault.device) == tuple(self.worker) and fault.when in self.POINTS:
+                    point, occurrence = self.POINTS[fault.when]
+                    action = FaultAction.STALL if fault.signal == signal.SIGSTOP else FaultAction.KILL
+                    armed = PointFault(point, action, step=step, occurrence=occurrence, target=fault.target)
+                    arm(armed, report=self._record)
 
     def _record(self, fault: PointFault) -> None:
-        (self.out / f"fault-{self.name}.json").write_text(json.dumps(fault.to_json()))
+        """``fault-N.D.json`` for a worker that killed or stopped itself, ``coordinator-N.D.json`` for one
+        that did so to the coordinator."""
+        kind = "fault" if fault.target is FaultTarget.WORKER else "coordinator"
+        (self.out / f"{kind}-{self.name}.json").write_text(json.dumps(fault.to_json()))
 
     def on_train_batch_start(self, trainer: L.Trainer, *args: Any) -> None:
         self.fed.clear()
@@ -205,7 +211,7 @@ def planned_split(num_nodes: int, fault_tolerance: int = 1, device_memory_bytes:
 
 def fit_with_faults(
     tmp_path: Path,
-    faults: dict[tuple[int, int], Fault],
+    faults: dict[tuple[int, int], Fault | list[Fault]],
     num_nodes: int = 6,
     devices_per_node: int = 1,
     plan: Plan | None = None,

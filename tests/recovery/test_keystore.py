@@ -1,19 +1,25 @@
-"""The job's store: its table answers as torch's stores do (read as a table, without sockets), and its server
-answers only clients that present the job's secret: a stranger reads nothing, writes nothing and holds up
-nobody."""
+"""The job's store: its table answers as torch's stores do (read as a table, without sockets), and the
+coordinator that serves it answers only clients that present the job's secret: a stranger reads nothing,
+writes nothing and holds up nobody."""
 
 from __future__ import annotations
 
 import base64
 import json
+import os
 import socket
+import subprocess
+import sys
 import threading
 from datetime import timedelta
 
 import pytest
 import torch.distributed as dist
 
-from lightning_oobleck.recovery.keystore import KeyStoreClient, KeyStoreError, KeyStoreServer, KeyTable
+from lightning_oobleck.recovery.coordinator import Coordinator
+from lightning_oobleck.recovery.keystore import KeyStoreClient, KeyStoreError
+from lightning_oobleck.recovery.keytable import KeyTable
+from lightning_oobleck.recovery.protocol import SECRET_ENV, parse_address
 
 SECRET = "the-job"
 
@@ -70,10 +76,10 @@ def test_waits_are_answered_by_the_write_that_completes_them_or_time_out() -> No
     assert table.request(6, {"op": "add", "key": "n", "amount": 1}, 2.1) == [(6, {"value": 1}), (5, {})]
 
 
-def _raw(port: int, *messages: object) -> list[dict | None]:
+def _raw(address: str, *messages: object) -> list[dict | None]:
     """A client that speaks the store's wire without the client class: the answers to ``messages``."""
     answers: list[dict | None] = []
-    with socket.create_connection(("127.0.0.1", port), timeout=5) as sock:
+    with socket.create_connection(parse_address(address), timeout=5) as sock:
         reader = sock.makefile("rb")
         for message in messages:
             try:
@@ -87,30 +93,32 @@ def _raw(port: int, *messages: object) -> list[dict | None]:
 
 @pytest.mark.timeout(30)
 def test_a_client_without_the_secret_reads_nothing_writes_nothing_and_holds_up_nobody() -> None:
-    server = KeyStoreServer(SECRET).start()
+    server = Coordinator(1, "127.0.0.1", secret=SECRET).start()
     try:
-        job = KeyStoreClient("127.0.0.1", server.port, SECRET, timedelta(seconds=5))
+        job = KeyStoreClient(server.address, SECRET, timedelta(seconds=5))
         job.set("plan", b"the plan")
         waited: list[bytes] = []
         waiter = threading.Thread(target=lambda: waited.append(job.get("go")))  # its own connection
         waiter.start()
         strangers = [
-            _raw(server.port, {"op": "get", "key": "plan", "timeout_s": 1}),
-            _raw(server.port, {"op": "set", "key": "go", "value": b64(b"stranger")}),
-            _raw(server.port, {"op": "hello"}, {"op": "get", "key": "plan", "timeout_s": 1}),
+            _raw(server.address, {"op": "get", "key": "plan", "timeout_s": 1}),
+            _raw(server.address, {"op": "set", "key": "go", "value": b64(b"stranger")}),
+            _raw(server.address, {"op": "hello"}, {"op": "get", "key": "plan", "timeout_s": 1}),
             _raw(
-                server.port, {"op": "hello", "secret": "guess"}, {"op": "set", "key": "go", "value": "eA=="}
+                server.address,
+                {"op": "hello", "secret": "guess"},
+                {"op": "set", "key": "go", "value": "eA=="},
             ),
-            _raw(server.port, {"op": "hello", "secret": SECRET[:-1]}),
-            _raw(server.port, ["not", "an", "object"]),  # once ended the server's thread
-            _raw(server.port, "hello"),
+            _raw(server.address, {"op": "hello", "secret": SECRET[:-1]}),
+            _raw(server.address, ["not", "an", "object"]),  # once ended the server's thread
+            _raw(server.address, "hello"),
         ]
         for answers in strangers:
             assert answers[0] is not None and answers[0]["error"].startswith("refused")
             assert all(a is None for a in answers[1:])  # disconnected after the refusal
-        with pytest.raises(KeyStoreError, match="refused this process: refused: wrong secret"):
-            KeyStoreClient("127.0.0.1", server.port, "guess", timedelta(seconds=5))
-        assert server.table.data == {"plan": b"the plan"}  # nothing written, the waiter still waits
+        with pytest.raises(KeyStoreError, match="refused this process: refused: the job's secret"):
+            KeyStoreClient(server.address, "guess", timedelta(seconds=5))
+        assert server.replica.table.data == {"plan": b"the plan"}  # nothing written, the waiter still waits
         job.set("go", b"1")
         waiter.join(timeout=5)
         assert waited == [b"1"]
@@ -121,6 +129,12 @@ def test_a_client_without_the_secret_reads_nothing_writes_nothing_and_holds_up_n
         server.stop()
 
 
-def test_the_store_refuses_to_start_without_a_secret() -> None:
-    with pytest.raises(ValueError, match="needs the job's secret"):
-        KeyStoreServer("")
+def test_a_coordinator_refuses_to_start_without_the_jobs_secret() -> None:
+    """A store anyone could use is what the job's store replaces: the coordinator's command needs the
+    secret in its environment (never on its command line)."""
+    env = {k: v for k, v in os.environ.items() if k != SECRET_ENV}
+    done = subprocess.run(
+        [sys.executable, "-m", "lightning_oobleck.recovery", "--host", "127.0.0.1"],
+        env=env, capture_output=True, text=True, timeout=60,
+    )  # fmt: skip
+    assert done.returncode == 2 and f"{SECRET_ENV} is not set" in done.stderr

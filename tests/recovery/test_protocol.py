@@ -33,7 +33,6 @@ from lightning_oobleck.recovery import (
 )
 from lightning_oobleck.recovery.membership import MembershipSettings
 from lightning_oobleck.recovery.protocol import SECRET_ENV, LineReader, Timeouts, encode, parse_address
-from lightning_oobleck.recovery.service import CoordinatorService
 
 W = Worker
 
@@ -180,7 +179,7 @@ def test_agent_agrees_and_loses_the_coordinator_with_a_clear_error() -> None:
         assert (membership.generation, membership.workers, agent.abort.is_set()) == (0, (W(0, 0),), False)
         coordinator.stop()
         wait_until(agent.abort.is_set, 2.0, "the agent to notice the coordinator's loss")
-        with pytest.raises(CoordinatorLost, match="single point of failure"):
+        with pytest.raises(CoordinatorLost, match="no standby coordinator was started yet"):
             agent.agree(after=0, timeout=2.0)
     finally:
         agent.close()
@@ -265,12 +264,12 @@ def test_a_worker_breaking_the_protocol_is_dropped_and_the_coordinator_keeps_ser
     assert agree([a], 1) == [W(0, 0)]
 
 
-def test_the_launchers_supervisor_hosts_the_coordinator_and_exports_its_address() -> None:
+def test_the_launchers_supervisor_starts_the_coordinator_and_exports_its_address() -> None:
     from lightning_oobleck.lightning.launcher import Supervisor
 
-    service = CoordinatorService(MembershipSettings(heartbeat_timeout=5.0))
-    with Supervisor(2, services=[service]) as supervisor:
+    with Supervisor(2, coordinator=MembershipSettings(heartbeat_timeout=5.0)) as supervisor:
         address, secret = supervisor.worker_env[ADDRESS_ENV], supervisor.worker_env[SECRET_ENV]
+        assert address == supervisor.store_addr  # one process serves the store and the coordinator
         agents = [WorkerAgent((node, 0), address, secret=secret).start() for node in (0, 1)]
         try:
             with ThreadPoolExecutor(len(agents)) as pool:  # the barrier needs both at once
@@ -279,9 +278,9 @@ def test_the_launchers_supervisor_hosts_the_coordinator_and_exports_its_address(
         finally:
             for agent in agents:
                 agent.close()
-        # the supervisor stops the coordinator on exit: let it read both workers' LEAVE first
-        assert service.coordinator is not None and service.coordinator.wait_done(timeout=10)
-    assert service.coordinator.finished
+        # the workers left: the coordinator's process ends by itself, having seen every one finish
+        assert supervisor.coordinator is not None
+        assert supervisor.coordinator.process.wait(timeout=10) == 0
 
 
 def test_the_coordinator_entry_point_serves_until_the_workers_finished(tmp_path: Path) -> None:
@@ -294,10 +293,10 @@ def test_the_coordinator_entry_point_serves_until_the_workers_finished(tmp_path:
         "--world-size=1",
         "--host=127.0.0.1",
     ]
+    log = tmp_path / "coordinator.log"
     with subprocess.Popen(
-        [*command, f"--address-file={address_file}"],
-        stderr=subprocess.PIPE,
-        text=True,
+        [*command, f"--address-file={address_file}", f"--log={log}"],
+        stdout=subprocess.DEVNULL,
         env={**os.environ, SECRET_ENV: "s3cret"},
     ) as proc:
         try:
@@ -309,7 +308,7 @@ def test_the_coordinator_entry_point_serves_until_the_workers_finished(tmp_path:
             with WorkerAgent((0, 0), address, connect_timeout=5.0, secret="s3cret") as agent:
                 assert agent.agree(after=-1, timeout=5.0).workers == (W(0, 0),)
             assert proc.wait(timeout=5.0) == 0
-            assert "generation 0 agreed" in proc.stderr.read()  # type: ignore[union-attr]
+            assert "generation 0 agreed" in log.read_text()
         finally:
             proc.kill()
 

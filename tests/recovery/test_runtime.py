@@ -32,8 +32,9 @@ from lightning_oobleck.planning.plan import Plan
 from lightning_oobleck.planning.planner import make_plan
 from lightning_oobleck.planning.profile import LayerProfile, ModelProfile
 from lightning_oobleck.recovery import Coordinator, read_events
-from lightning_oobleck.recovery.keystore import KeyStoreClient, KeyStoreServer
+from lightning_oobleck.recovery.keystore import KeyStoreClient
 from lightning_oobleck.recovery.membership import MembershipSettings
+from lightning_oobleck.recovery.replica import ReplicaSettings
 
 STORE_SECRET = "the-tests-job"
 
@@ -105,21 +106,22 @@ def run_training(
     """
     plan_file = tmp_path / "plan.json"
     plan_file.write_text((plan or six_node_plan()).to_json())
-    server = KeyStoreServer(STORE_SECRET).start()
-    store = KeyStoreClient("127.0.0.1", server.port, STORE_SECRET, timedelta(seconds=30))
     coordinator = Coordinator(
         NODES,
         "127.0.0.1",
         settings=MembershipSettings(
             heartbeat_timeout=3.0, settle_s=0.2, agreement_timeout=30.0, kill_fenced=True
         ),
+        secret=STORE_SECRET,
+        replica_settings=ReplicaSettings(standby=False),
     ).start()
+    store = KeyStoreClient(coordinator.address, STORE_SECRET, timedelta(seconds=30))
     procs: dict[int | str, ScriptProcess] = {}
 
     def start(label: int | str, position: list[str], worker_faults: Any) -> None:
         command = [
             f"--coordinator={coordinator.address}",
-            f"--store-port={store.port}",
+            f"--store={coordinator.address}",
             f"--store-secret={STORE_SECRET}",
             *position,
             f"--plan={plan_file}",
@@ -211,7 +213,7 @@ def run_training(
                 proc.kill()
                 proc.wait(timeout=10)
         coordinator.stop()
-        server.stop()
+
     records = {
         label: [json.loads(line) for line in (tmp_path / f"node{label}.jsonl").read_text().splitlines()]
         if (tmp_path / f"node{label}.jsonl").exists()

@@ -140,16 +140,17 @@ def test_read_plan_is_answered_by_the_publication_stops_on_abort_and_times_out_b
 
     from dist_harness import plan_from_splits
 
-    from lightning_oobleck.recovery.keystore import KeyStoreClient, KeyStoreServer
+    from lightning_oobleck.recovery.coordinator import Coordinator
+    from lightning_oobleck.recovery.keystore import KeyStoreClient
     from lightning_oobleck.recovery.startup import publish_plan, read_plan
 
     plan = plan_from_splits([[(0, 2), (2, 4)]], [4], 1)
-    server = KeyStoreServer("secret").start()  # the job's store, as the workers reach it
+    server = Coordinator(1, "127.0.0.1", secret="secret").start()  # the job's store, as workers reach it
     try:
         clients = []  # a Python store inside a PrefixStore must stay referenced (torch holds no reference)
 
         def client(prefix: str) -> dist.Store:
-            clients.append(KeyStoreClient("127.0.0.1", server.port, "secret", timedelta(seconds=30)))
+            clients.append(KeyStoreClient(server.address, "secret", timedelta(seconds=30)))
             return dist.PrefixStore(prefix, clients[-1])
 
         store = client("published")

@@ -19,12 +19,12 @@ TASK = """
 import datetime, json, os
 from lightning_oobleck.recovery import WorkerAgent
 from lightning_oobleck.recovery.keystore import KeyStoreClient, KeyStoreError
-host, port = os.environ["OOBLECK_STORE_ADDR"].rsplit(":", 1)
+address = os.environ["OOBLECK_STORE_ADDR"]
 timeout = datetime.timedelta(seconds=20)
-store = KeyStoreClient(host, int(port), os.environ["OOBLECK_COORDINATOR_SECRET"], timeout)
+store = KeyStoreClient(address, os.environ["OOBLECK_COORDINATOR_SECRET"], timeout)
 store.set("k", "v")
 try:
-    KeyStoreClient(host, int(port), "guessed", timeout)
+    KeyStoreClient(address, "guessed", timeout)
     stranger = "served"
 except KeyStoreError as e:
     stranger = str(e)
@@ -68,7 +68,7 @@ def test_batch_script_lines_export_a_store_and_a_coordinator_that_end_with_the_s
         if state == "0A"
     }
     assert task["value"] == "v" and task["keys"] == 1
-    assert "refused this process: refused: wrong secret" in task["stranger"]
+    assert "refused this process: refused: the job's secret is missing or wrong" in task["stranger"]
     assert (task["generation"], task["members"]) == (0, [[0, 0]])
     assert f"worker (0, 0) on {socket.gethostname()} registered" in log.read_text()  # its node, named
     # Store and coordinator listened only on the interface the host name resolves to, not on every interface.
