@@ -296,6 +296,14 @@ class WorkerAgent:
         if self._thread is not None:
             self._thread.join(timeout=2 * self.heartbeat_interval + 1.0)
         self._sock.close()
+        hosted = self._hosted
+        if finished and hosted is not None and hosted.pid == self.coordinator_pid_here():
+            # the active coordinator, which this process started as a standby: it serves the others until
+            # the training is over everywhere (a standby only waits to take over: it ends with this process)
+            try:
+                hosted.wait(HOSTED_END_TIMEOUT_S)
+            except subprocess.TimeoutExpired:
+                hosted.kill()
 
     def __enter__(self) -> WorkerAgent:
         return self.start()
@@ -572,12 +580,13 @@ class WorkerAgent:
                 self._outstanding.pop("ready", None)
 
     def _host_standby(self, msg: dict[str, Any]) -> None:
-        """Start a standby coordinator on this node, following the active one: a process of its own that dies
-        with this agent's thread (its parent), as it would with the node."""
+        """Start a standby coordinator on this node, following the active one: a process of its own that ends
+        with this process, as it would with the node (it watches this process)."""
         if self._hosted is not None and self._hosted.poll() is None:
             return
         host = "127.0.0.1" if msg.get("loopback") else socket.gethostname()
-        command = [sys.executable, "-m", STANDBY_MODULE, "--follow", str(msg["follow"]), "--host", host]
+        module = os.environ.get(STANDBY_MODULE_ENV, STANDBY_MODULE)
+        command = [sys.executable, "-m", module, "--follow", str(msg["follow"]), "--host", host]
         command += ["--node", str(self.worker.node), "--watch-pid", str(os.getpid())]
         command += ["--heartbeat-timeout", str(self.heartbeat_timeout)]
         if msg.get("join_file"):
@@ -622,8 +631,14 @@ class WorkerAgent:
         os._exit(FENCED_EXIT_CODE)
 
 
+HOSTED_END_TIMEOUT_S = 90.0
+"""How long a worker that finished waits for the coordinator it hosts to end (the training ends everywhere;
+the job's tasks may still report their end to it)."""
 STANDBY_MODULE = "lightning_oobleck.recovery"
 """What a worker runs to host a standby coordinator (``python -m``)."""
+STANDBY_MODULE_ENV = "OOBLECK_STANDBY_MODULE"
+"""Another module to run for it, with the same command line (a SLURM task's: it also ends the job when the
+batch host is lost, :mod:`lightning_oobleck.slurm.coordinator`)."""
 COORDINATOR_LOG_ENV = "OOBLECK_COORDINATOR_LOG"
 """A log file for the standby coordinators the workers start (``%n``: the node id); default: warnings on the
 worker's stderr."""

@@ -33,14 +33,12 @@ import os
 import selectors
 import signal
 import socket
-import sys
 import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from lightning_oobleck.process import die_with_parent
 from lightning_oobleck.recovery.keytable import MAX_MESSAGE_BYTES
 from lightning_oobleck.recovery.membership import Death, MembershipMachine, MembershipSettings
 from lightning_oobleck.recovery.protocol import (
@@ -276,7 +274,9 @@ class Coordinator:
                 self._apply(lambda: self.replica.tick(time.monotonic()))
                 self._end_broken()
                 if self.machine.done and self.role is Role.ACTIVE and not self._done.is_set():
-                    self._carry_out(self.replica.finish())
+                    with self._lock:
+                        effects = self.replica.training_done(time.monotonic())
+                    self._carry_out(effects)
                     self._done.set()
             if not self._crash:
                 self._carry_out(self.replica.finish())
@@ -481,8 +481,12 @@ class Coordinator:
 
 def update_join_file(path: Path, addresses: tuple[str, ...]) -> None:
     """Write the coordinators' ``addresses`` (the active first) into the job's join file (the ``coordinator``
-    and ``store`` fields, which joiners and replacements read), atomically, readable by this user only."""
-    fields = json.loads(path.read_text()) if path.exists() else {}
+    and ``store`` fields, which joiners and replacements read), atomically, readable by this user only. A
+    file that is not there (the job's launcher removed it: the job ended) is left so."""
+    try:
+        fields = json.loads(path.read_text())
+    except FileNotFoundError:
+        return
     fields["coordinator"] = fields["store"] = ",".join(addresses)
     tmp = path.with_name(f".{path.name}.{os.getpid()}")
     fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
@@ -541,6 +545,16 @@ def main(argv: list[str] | None = None) -> int:
     of the host could read it). Prints ``HOST:PORT`` on its first line of output once it listens.
 
     Exit status 0 if the replica's part ended as it should, 1 if an active one saw no worker finish."""
+    coordinator = run(argv)
+    failed = coordinator.role is Role.ACTIVE and coordinator.wait_done(0) and not coordinator.finished
+    return 1 if failed else 0
+
+
+def run(argv: list[str] | None = None, tasks_report_end: bool = False) -> Coordinator:
+    """:func:`main`'s work: serve as its command line says, then return the stopped coordinator.
+    ``tasks_report_end``: the job's tasks report their end in the store (``replica.ENDED_KEY``), so that an
+    active coordinator serves them until the last one did (at most :data:`END_GRACE_S` once no worker is
+    left)."""
     parser = argparse.ArgumentParser(
         prog="python -m lightning_oobleck.recovery",
         description="Failure detector, membership authority and rendezvous store of an oobleck training.",
@@ -563,7 +577,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--no-joins", action="store_true", help="refuse workers that register once it started"
     )
-    parser.add_argument("--watch-pid", type=int, help="exit when this process is gone (SIGKILL with it)")
+    parser.add_argument(
+        "--watch-pid", type=int, help="end when this process is gone, as a killed process would (no goodbye)"
+    )
     parser.add_argument("--log", help="append the log here (default: warnings on stderr)")
     parser.add_argument("--address-file", type=Path, help="also write HOST:PORT here once listening")
     args = parser.parse_args(argv)
@@ -572,8 +588,6 @@ def main(argv: list[str] | None = None) -> int:
             f"{SECRET_ENV} is not set: the coordinator serves the job's processes only, which present this "
             "secret (the launcher, or the SLURM batch script's rendezvous, makes it and hands it to them)"
         )
-    if args.watch_pid is not None:
-        _die_with(args.watch_pid)
     if args.log:
         logging.basicConfig(filename=args.log, level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
     else:
@@ -610,19 +624,31 @@ def main(argv: list[str] | None = None) -> int:
             tmp.write_text(coordinator.address + "\n")
             os.replace(tmp, args.address_file)
         log.info("%s listening on %s", coordinator.role.value, coordinator.address)
+        done_at: float | None = None
         while not stop.is_set() and not coordinator.wait_ended(0.5):
-            if coordinator.role is Role.ACTIVE and coordinator.wait_done(0):
+            if args.watch_pid is not None and not _alive(args.watch_pid):
+                log.warning("the process that started this coordinator (%d) is gone", args.watch_pid)
+                coordinator.crash()  # as its node would: a standby that follows it takes over
                 break
+            if coordinator.role is Role.ACTIVE and coordinator.wait_done(0):
+                done_at = done_at or time.monotonic()
+                waited = time.monotonic() - done_at
+                if not tasks_report_end or coordinator.replica.tasks_ended or waited > END_GRACE_S:
+                    break
     if coordinator.exit_reason:
         log.info("ended: %s", coordinator.exit_reason)
-    return (
-        1 if coordinator.role is Role.ACTIVE and coordinator.wait_done(0) and not coordinator.finished else 0
-    )
+    return coordinator
 
 
-def _die_with(pid: int) -> None:
-    """Be SIGKILLed when process ``pid`` (this one's parent) ends: a standby dies with the node's worker that
-    started it, as it would with the node."""
-    die_with_parent()
-    if os.getppid() != pid:
-        sys.exit(0)  # the parent ended before the prctl took effect
+END_GRACE_S = 60.0
+"""How long a coordinator serves the tasks' reports of their end once no worker is left."""
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True

@@ -30,7 +30,7 @@ from lightning_oobleck.recovery.keytable import MAX_MESSAGE_BYTES, decode, encod
 from lightning_oobleck.recovery.protocol import parse_address, parse_addresses
 
 FAILOVER_WAIT_S = 60.0
-"""How long a request waits, beyond its own timeout, for a coordinator to take over the store."""
+"""How long a request waits by default, beyond its own timeout, for a coordinator to take over the store."""
 _ANSWER_S = 10.0
 """How long a coordinator may take to answer beyond a wait's own time before it is taken for lost (a silent
 one; a dead one's connection ends at once)."""
@@ -63,6 +63,8 @@ class KeyStoreClient(dist.Store):
     ) -> None:
         super().__init__()
         self.addresses = parse_addresses(addresses)
+        self.failover_s = FAILOVER_WAIT_S
+        """How long a request waits, beyond its own timeout, for a coordinator to take over the store."""
         self._addresses_lock = threading.Lock()
         self._more = more
         self._secret = secret
@@ -107,7 +109,7 @@ class KeyStoreClient(dist.Store):
         local = self._local
         local.seq = getattr(local, "seq", 0) + 1
         message = {**message, "cid": self._cid(), "seq": local.seq}
-        give_up = time.monotonic() + (wait or 0.0) + FAILOVER_WAIT_S
+        give_up = time.monotonic() + (wait or 0.0) + self.failover_s
         wait_until = time.monotonic() + (wait or 0.0)
         while True:
             sock, reader, address = self._connection(give_up)

@@ -78,12 +78,13 @@ leave        -         yes       yes      yes
 **Failover** (:mod:`~lightning_oobleck.recovery.replica` runs two machines, the active one and its standby's
 copy): the standby's copy takes over (:meth:`~MembershipMachine.take_over`, epoch + 1) when the active
 coordinator is lost: every live worker gets a heartbeat timeout to reconnect (``reattach``: bound to its new
-connection and told what it missed), after which it is declared dead; the lost coordinator's node is
-declared dead at once. A reconnecting worker that saw a newer generation than this copy (an isolated
-predecessor's) makes the next one be numbered past it. An active machine cut off from its standby is
-isolated (:meth:`~MembershipMachine.isolate`): a GO then needs at least half of each given set ready, until a
-new standby's designation (:meth:`~MembershipMachine.designate`) is acknowledged (``standby_ack``) by at least
-half of each; isolated past ``agreement_timeout`` without such a quorum, it fences its workers and gives up.
+connection and told what it missed), after which it is declared dead; the workers of the lost coordinator's
+node get two heartbeat intervals. A reconnecting worker that saw a newer generation than this copy (an
+isolated predecessor's) makes the next one be numbered past it. An active machine cut off from its standby
+is isolated (:meth:`~MembershipMachine.isolate`): a GO then needs at least half of each given set ready,
+until a new standby's designation (:meth:`~MembershipMachine.designate`) is acknowledged (``standby_ack``) by
+at least half of each; isolated past ``agreement_timeout`` without such a quorum, it fences its workers and
+gives up.
 
 A joiner is admitted only at a step boundary, when a member asks (``admit``), so that it never disturbs a
 step in progress; a node is admitted once all its ``devices_per_node`` processes are pending. A joiner may
@@ -315,6 +316,13 @@ class MembershipMachine:
         return self._current is not None and not self._alive and self._change_at is None
 
     @property
+    def finished_launched(self) -> int:
+        """How many of the workers the job launched (not joiners, which another job may have started) left
+        normally."""
+        joined = set(self._node_ids.values())
+        return sum(w.node not in joined for w in self.finished)
+
+    @property
     def alive(self) -> tuple[Worker, ...]:
         """Registered workers not declared dead and not finished."""
         return tuple(sorted(self._alive))
@@ -431,7 +439,9 @@ class MembershipMachine:
 
         Its connections were the lost coordinator's: every live worker gets ``window`` seconds to reconnect
         (``reattach``), after which it is declared dead like a silent one; the workers of ``lost_node`` (the
-        node the lost coordinator ran on, if a worker node) are declared dead at once. Timers restart on this
+        node the lost coordinator ran on, if a worker node: most likely lost with it) get two heartbeat
+        intervals at most (a live worker reconnects within milliseconds of seeing its coordinator lost, as
+        the others do). Timers restart on this
         host's clock (``now``, ``wall_offset``); ``host`` and ``pid`` are this host's and process's (the
         workers are told, and fenced workers are killed on this host only)."""
         self.epoch += 1
@@ -452,10 +462,9 @@ class MembershipMachine:
         log.warning(
             "coordinator epoch %d: took over; %d worker(s) to reconnect", self.epoch, len(self._alive)
         )
-        if lost_node is not None:
-            for worker in [w for w in sorted(self._alive) if w.node == lost_node][:1]:
-                reason = f"the node of the job's coordinator (node {lost_node}) was lost"
-                self._declare_dead(worker, reason, now, explained=True)
+        for peer in self._peers.values():
+            if peer.worker is not None and peer.worker.node == lost_node:
+                peer.deadline = now + min(window, 2 * self.settings.heartbeat_interval)
         return self._effects()
 
     def isolate(self, quorums: list[frozenset[Worker]], revoke: bool, now: float) -> list[Effect]:

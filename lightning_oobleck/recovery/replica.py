@@ -25,9 +25,10 @@ worker): a worker that loses the active reconnects to that standby only.
   decided alone meanwhile, and only the votes tell what). A worker votes by reconnecting (``reattach``),
   which it does only once it lost the active itself, and it never speaks to the lost one again.
 
-On promotion the workers of the lost coordinator's node are declared dead (it was a node of the job) and the
-others get a heartbeat timeout to reconnect (:meth:`~lightning_oobleck.recovery.membership.MembershipMachine.
-take_over`); a new standby is then asked of a worker on another node (``host_standby``), which starts one.
+On promotion every live worker gets a heartbeat timeout to reconnect, those of the lost coordinator's node
+(most likely lost with it) two heartbeat intervals; a worker that does not is declared dead
+(:meth:`~lightning_oobleck.recovery.membership.MembershipMachine.take_over`). A new standby is then asked of a
+worker on another node (``host_standby``), which starts one.
 
 **No split brain.** The active that loses its standby to silence cannot tell a crash from a partition, so it
 is *isolated* (:meth:`~lightning_oobleck.recovery.membership.MembershipMachine.isolate`): a GO then needs at
@@ -625,12 +626,34 @@ class Replica:
 
     # ------------------------------------------------------------------ the end
 
+    def training_done(self, now: float) -> list[ReplicaEffect]:
+        """(Active) no worker is left: the store records how many of the job's workers finished
+        (:data:`FINISHED_KEY`), for its tasks' last words, and a standby following it ends."""
+        count = str(self.machine.finished_launched).encode()
+        self._store(-1, {"op": "set", "key": FINISHED_KEY, "value": base64.b64encode(count).decode()}, now)
+        return self.finish()
+
+    @property
+    def tasks_ended(self) -> bool:
+        """Whether every worker the job launched that finished said it is done with the store."""
+        data = self.table.data
+        return FINISHED_KEY in data and int(data.get(ENDED_KEY, b"0")) >= int(data[FINISHED_KEY])
+
     def finish(self) -> list[ReplicaEffect]:
         """The training ended (or this replica is stopped): a standby following it must end, not take over."""
         if self._follower is not None:
-            self._now += [Send(self._follower, "finished", {}), Close(self._follower)]
+            held = [effect for batch in self._held for effect in batch.effects]
+            self._held.clear()
+            self._now += [*held, Send(self._follower, "finished", {}), Close(self._follower)]
             self._follower = None
         return self.flush(float("inf"))
+
+
+FINISHED_KEY = "oobleck/job/finished"
+"""Written by the active coordinator once no worker is left: how many of the workers the job launched
+finished (the job's tasks count themselves against it at their end, :mod:`lightning_oobleck.slurm.task`)."""
+ENDED_KEY = "oobleck/job/ended"
+"""Each of the job's tasks adds 1 once it is done with the store (its result written)."""
 
 
 def _call(machine: MembershipMachine, name: str, args: list[Any] | tuple[Any, ...]) -> list[Effect]:

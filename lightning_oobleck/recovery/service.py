@@ -81,6 +81,11 @@ class CoordinatorProcess:
             )
         self.address = line
         """Where the coordinator listens (``host:port``): the workers' ``OOBLECK_COORDINATOR_ADDR``."""
+        update = join_file.with_name(f".{join_file.name}.new")
+        fd = os.open(update, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)  # the coordinators keep it current
+        with os.fdopen(fd, "w") as f:
+            json.dump({"coordinator": line, "store": line}, f)
+        os.replace(update, join_file)
 
     @property
     def addresses(self) -> str:

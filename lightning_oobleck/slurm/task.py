@@ -10,8 +10,10 @@ line instead of once per task.
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import fcntl
+import json
 import os
 import runpy
 import socket
@@ -19,19 +21,32 @@ import sys
 import time
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
+from datetime import timedelta
 from pathlib import Path
 
 from lightning_oobleck.recovery.agent import (
+    STANDBY_MODULE_ENV,
     CoordinatorLost,
     TrainingFinished,
     announce_presence,
+    known_coordinators,
     lost_coordinator,
 )
-from lightning_oobleck.recovery.protocol import ADDRESS_ENV, NODE_KEY_ENV, parse_address
+from lightning_oobleck.recovery.protocol import (
+    ADDRESS_ENV,
+    NODE_KEY_ENV,
+    SECRET_ENV,
+    parse_address,
+    parse_addresses,
+)
+from lightning_oobleck.recovery.replica import ENDED_KEY
 from lightning_oobleck.slurm import cluster
 
 MODULE = "lightning_oobleck.slurm.task"
 """The entry point's module name (stable: batch scripts name it)."""
+COORDINATOR_MODULE = "lightning_oobleck.slurm.coordinator"
+"""What a task runs to host a coordinator (:mod:`lightning_oobleck.slurm.coordinator`)."""
+STORE_ADDR_VAR = "OOBLECK_STORE_ADDR"
 TTY_COMPATIBLE_ENV = "TTY_COMPATIBLE"
 """``0``: the output is no terminal, whatever ``isatty()`` says (``srun --unbuffered`` gives the tasks a
 pseudo-terminal that ends in the job's output file). Rich reads it; so does
@@ -76,52 +91,87 @@ def run_script(script: str, args: Sequence[str], join: bool = False) -> None:
         os.environ[NODE_KEY_ENV] = f"{os.environ['SLURM_JOB_ID']}.{os.environ['SLURM_NODEID']}"
     else:
         announce_slurm_task()
+        # a coordinator this task hosts (a standby, which may take over) ends the job if the batch host died
+        os.environ[STANDBY_MODULE_ENV] = COORDINATOR_MODULE
     sys.argv = [script, *args]
     sys.path.insert(0, str(Path(script).parent))
     try:
         runpy.run_path(script, run_name="__main__")
     except TrainingFinished as e:
         print(f"oobleck: {e}: nothing to do", file=sys.stderr)
+    except SystemExit as e:
+        if e.code in (None, 0) and not join:
+            atexit.register(report_end)
+        raise
     except BaseException:
         if "SLURM_JOB_ID" in os.environ and (lost := batch_host_lost()) is not None:
-            end_job(os.environ["SLURM_JOB_ID"], lost)
+            end_job(os.environ["SLURM_JOB_ID"], f"ends now: {lost}", completed=False)
         raise
+    else:
+        if not join:
+            atexit.register(report_end)  # after this process's agent said goodbye: last registered, first run
+
+
+def report_end() -> None:
+    """At the task's exit (its results written, its agent not yet closed): count it in the job's store
+    (:data:`~lightning_oobleck.recovery.replica.ENDED_KEY`). A coordinator that took over from a lost batch
+    host ends the job once every task that finished did (:mod:`lightning_oobleck.slurm.coordinator`). Best
+    effort, bounded: a job whose coordinators are gone ends with its batch script, or at its time limit."""
+    from lightning_oobleck.recovery.keystore import KeyStoreClient
+
+    addresses = os.environ.get(STORE_ADDR_VAR)
+    if "SLURM_JOB_ID" not in os.environ or not addresses:
+        return
+    with contextlib.suppress(Exception):
+        timeout = timedelta(seconds=_PROBE_TIMEOUT_S)
+        store = KeyStoreClient(addresses, os.environ[SECRET_ENV], timeout, more=known_coordinators)
+        store.failover_s = _PROBE_TIMEOUT_S
+        store.add(ENDED_KEY, 1)
 
 
 def batch_host_lost() -> CoordinatorLost | None:
-    """Why the job's batch host is gone, if it is: this process's agent lost its coordinator, or (the agent
-    was closed first, by the failure the loss caused) the coordinator no longer takes connections. It serves
-    until the batch script ends, which is after every task: while a task runs, a coordinator that does not
-    answer is a lost batch host."""
+    """Why the job's batch host is gone, if it is: this process's agent lost its coordinators, or the batch
+    host's coordinator (the first of ``OOBLECK_COORDINATOR_ADDR``, the rendezvous) no longer takes
+    connections. It serves until the batch script ends, which is after every task: while a task runs, a
+    rendezvous that does not answer is a lost batch host."""
     if (lost := lost_coordinator()) is not None:
         return lost
     address = os.environ.get(ADDRESS_ENV)
     if not address:
         return None
+    first = parse_addresses(address)[0]
     try:
-        socket.create_connection(parse_address(address), timeout=_PROBE_TIMEOUT_S).close()
+        socket.create_connection(parse_address(first), timeout=_PROBE_TIMEOUT_S).close()
     except OSError as e:
-        return CoordinatorLost(f"lost the oobleck coordinator at {address}: it takes no connection ({e})")
+        return CoordinatorLost(f"lost the oobleck coordinator at {first}: it takes no connection ({e})")
     return None
 
 
-def end_job(job_id: str, lost: CoordinatorLost) -> None:
-    """The job's batch host is gone with the coordinator and the store it ran (this task's agent lost its
-    coordinator): no failure can be detected or agreed on any more, and SLURM would keep the job RUNNING, its
-    nodes idle, until ``--time``. Say why in the job's output file (the survivors' own output went to the
-    lost batch host's ``srun``), once whichever tasks get here, then cancel the job: it resumes from its last
-    checkpoint."""
+def end_job(job_id: str, what: str, completed: bool) -> None:
+    """End a job whose batch host is gone: SLURM would keep it RUNNING, its nodes idle, until ``--time``.
+    ``what``: how it ends (``completed``: the training did, on the surviving nodes, with a standby
+    coordinator; else it cannot go on, and resumes from its last checkpoint). Says so in the job's output
+    file (the tasks' own output went to the lost batch host's ``srun``), once whoever gets here, records it
+    beside the job's files (``oobleck-JOBID-end.json``, which ``oobleck submit`` reads: SLURM shows the job
+    CANCELLED), then cancels the job."""
     line = (
-        f"oobleck: job {job_id} ends now: {lost}. The batch host ran the job's coordinator and store; "
-        "cancelling the job (scancel) rather than leaving its nodes idle until its time limit"
+        f"oobleck: job {job_id} {what}. The batch host was lost; SLURM cannot end the job without its batch "
+        "script: cancelling it (scancel) rather than leaving its nodes idle until its time limit"
     )
     with contextlib.suppress(Exception):  # the reason is best effort; the cancel is what matters
+        end = end_file(Path.cwd(), job_id)
+        end.write_text(json.dumps({"completed": completed, "reason": line}))
         output = cluster.job_fields(job_id).get("StdOut", "")
         if output and Path(output).is_file():
             _append_once(Path(output), line)
     with contextlib.suppress(Exception):
         cluster.run("scancel", job_id)
     print(line, file=sys.stderr, flush=True)
+
+
+def end_file(workdir: Path, job_id: str) -> Path:
+    """Where a job whose batch host was lost records how it ended (in its working directory)."""
+    return workdir / f"oobleck-{job_id}-end.json"
 
 
 def _append_once(path: Path, line: str) -> None:
@@ -138,7 +188,7 @@ def _append_once(path: Path, line: str) -> None:
                     return
                 time.sleep(0.01)
         f.seek(max(0, f.seek(0, os.SEEK_END) - 65536))
-        if line.split(":", 2)[1] not in f.read():
+        if line.split(". ", 1)[0] not in f.read():
             f.write("\n" + line + "\n")
 
 

@@ -52,6 +52,7 @@ from lightning_oobleck.planning.plan import Plan
 from lightning_oobleck.planning.planner import make_plan
 from lightning_oobleck.planning.profile import LayerProfile, ModelProfile
 from lightning_oobleck.recovery import read_events
+from lightning_oobleck.recovery.agent import known_coordinators
 from lightning_oobleck.testing import Fault as PointFault
 from lightning_oobleck.testing import FaultAction, FaultPoint, FaultTarget, arm
 
@@ -124,6 +125,16 @@ class Faults(L.Callback):
 
     def on_train_batch_start(self, trainer: L.Trainer, *args: Any) -> None:
         self.fed.clear()
+        step = trainer.global_step
+        if any(f.target == "coordinator" for n, s in self.faults if s == step for f in self._at(n, s)):
+            # the coordinator's loss is survived once a standby follows it (started within about a second)
+            deadline = time.monotonic() + 30
+            while len(known_coordinators()) < 2 and time.monotonic() < deadline:
+                time.sleep(0.05)
+
+    def _at(self, node: int, step: int) -> list[Fault]:
+        faults = self.faults[(node, step)]
+        return faults if isinstance(faults, list) else [faults]
 
     def _on_forward(self, layer: torch.nn.Module, args: tuple) -> None:
         if torch._C._current_graph_task_id() != -1:

@@ -24,6 +24,9 @@ middle stage       validation forward (SIGKILL)               middle_stage_in_va
 last stage         checkpoint save (SIGKILL)                  middle_stage_in_validation...
 first stage        sync_dist reduce of val_loss (SIGSTOP)     middle_stage_in_validation...
 two nodes at once  checkpoint save (SIGKILL), f = 2           two_nodes_in_a_checkpoint...
+the coordinator    training backward (SIGKILL)                coordinator_lost_twice...
+its successor +    training forward (SIGKILL), together       coordinator_lost_twice...
+a node
 last stage, ZB-H1  input gradient ``I`` (SIGKILL)             zero_bubble_schedule...
 first stage, ZB-H1 weight gradient ``W`` (SIGKILL)            zero_bubble_schedule...
 last stage, ZB-H1  gradient ``REDUCE`` (SIGKILL)              zero_bubble_schedule...
@@ -47,6 +50,7 @@ import torch
 from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.loggers import CSVLogger
 from test_fault_matrix import (
+    BACKWARD,
     FORWARD,
     INPUT_GRAD,
     OPTIMIZER,
@@ -407,3 +411,24 @@ def test_zero_bubble_schedule_kills_in_an_i_a_w_and_a_reduce(
     assert {p.read_text() for p in tmp_path.glob("schedule-*")} == {"zb-h1"}
     _, recoveries = read_events(tmp_path / "logs" / "version_0" / EVENTS_FILE)
     assert recoveries and {e.schedule for e in recoveries} == {"zb-h1"}
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.slow
+def test_the_coordinator_lost_twice_the_second_time_with_a_node(
+    tmp_path: Path, loop_reference: dict[str, Any]
+) -> None:
+    """6 nodes, 3 pipelines of 2. The job's coordinator is SIGKILLed in a training backward of step 2: its
+    standby takes over, no worker is lost. In step 6 the coordinator that took over is SIGKILLed too, and
+    node 3 dies in the same step: the standby started after the first loss takes over and runs the recovery.
+    Same weights, LRs, logged losses, samples and checkpoints as single-process training."""
+    faults = {
+        (1, 2): Fault(signal.SIGKILL, BACKWARD, target="coordinator"),
+        (2, 6): Fault(signal.SIGKILL, FORWARD, target="coordinator"),
+        (3, 6): Fault(signal.SIGKILL, BACKWARD),
+    }
+    trainer = fit_loop(tmp_path, LoopFaults(tmp_path, faults), 6)
+    check_loop(trainer, tmp_path, loop_reference, dead={3}, num_nodes=6)
+    events = (tmp_path / "logs" / "version_0" / EVENTS_FILE).read_text().splitlines()
+    failovers = [r for r in map(json.loads, events) if r["kind"] == "failover"]
+    assert [f["epoch"] for f in failovers] == [1, 2]
