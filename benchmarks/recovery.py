@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import signal
 import subprocess
@@ -47,6 +48,8 @@ from torch.utils.data import DataLoader
 from lightning_oobleck.lightning import OobleckStrategy
 from lightning_oobleck.lightning.units import EVENTS_FILE
 from lightning_oobleck.recovery import PHASES, read_events
+from lightning_oobleck.recovery.agent import known_coordinators
+from lightning_oobleck.testing import Fault, FaultPoint, FaultTarget, arm
 
 EXAMPLES = Path(__file__).resolve().parents[1] / "examples" / "gpt"
 MODEL = {"vocab_size": 256, "seq_len": 32, "d_model": 64, "n_heads": 4, "n_blocks": 4}
@@ -82,6 +85,30 @@ class Clock(L.Callback):
                 f.write(json.dumps({"step": trainer.global_step, "time": time.time()}) + "\n")
 
 
+class CoordinatorClock(Clock):
+    """A :class:`Clock` that loses the coordinator's node at ``kill_at_step``: the job's coordinator (which
+    the local launcher counts as node 0's, as SLURM's batch host is) at the step's start, then the worker of
+    ``kill_rank`` (node 0's) in its first forward, both through the package's fault points. Waits first for
+    the coordinator's standby (started within about a second of the start)."""
+
+    def on_train_start(self, trainer: L.Trainer, *rest: Any) -> None:
+        super().on_train_start(trainer, *rest)
+        if launch_rank(trainer) == self.kill_rank:
+            step = self.kill_at_step
+            arm(Fault(FaultPoint.STEP, step=step, target=FaultTarget.COORDINATOR), report=self._killed)
+            arm(Fault(FaultPoint.FORWARD, step=step))
+
+    def _killed(self, fault: Fault) -> None:
+        (self.out / "killed_at").write_text(str(time.time()))
+
+    def on_train_batch_start(self, trainer: L.Trainer, *rest: Any) -> None:
+        deadline = time.monotonic() + 30
+        while trainer.global_step == self.kill_at_step and len(known_coordinators()) < 2:
+            if time.monotonic() > deadline:
+                raise RuntimeError("no standby coordinator followed the job's coordinator within 30 s")
+            time.sleep(0.05)
+
+
 def launch_rank(trainer: L.Trainer) -> int:
     """The rank the process was started as (Oobleck renumbers ranks after a recovery)."""
     if isinstance(trainer.strategy, OobleckStrategy):
@@ -94,6 +121,8 @@ def train(args: argparse.Namespace, clock_type: type[Clock] = Clock) -> None:
     """One fit in its own process: ``--strategy`` one of ``LAYOUTS`` or ddp, optional kill and resume;
     ``args.rejoin_after_s``, if there: a new node replaces the dead one that long after its death."""
     out = Path(args.out)
+    if getattr(args, "kill_coordinator", False):
+        clock_type = CoordinatorClock
     clock = clock_type(out, args.strategy, args.kill_rank, args.kill_at_step)
     model = model_of(args)
     text = make_corpus(200_000, 0)
@@ -150,6 +179,7 @@ def run(
     devices: int,
     kill: tuple[int, int],
     resume: str | None,
+    coordinator: bool = False,
 ) -> int:
     command = [
         sys.executable,
@@ -165,6 +195,7 @@ def run(
         f"--kill-rank={kill[0]}",
         f"--kill-at-step={kill[1]}",
         *([f"--resume={resume}"] if resume else []),
+        *(["--kill-coordinator"] if coordinator else []),
     ]
     with open(out / f"{strategy}-{'resume' if resume else 'run'}.log", "wb") as log:
         return subprocess.run(command, stdout=log, stderr=subprocess.STDOUT, timeout=900).returncode
@@ -201,10 +232,18 @@ def main() -> None:
     parser.add_argument("--resume", help=argparse.SUPPRESS)
     parser.add_argument("--layouts", nargs="+", choices=LAYOUTS, default=list(LAYOUTS))
     parser.add_argument("--no-ddp", action="store_true", help="skip the DDP restart baseline")
+    parser.add_argument(
+        "--no-coordinator",
+        action="store_true",
+        help="skip the loss of the coordinator's node (two more runs)",
+    )
+    parser.add_argument("--kill-coordinator", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.train:
         train(args)
         return
+    if not args.no_coordinator:
+        coordinator_table(args)
 
     n, k_step = args.devices, args.kill_at_step
     kill = (args.kill_rank, k_step)
@@ -281,6 +320,48 @@ def main() -> None:
         after = throughput(steps, resumed + 1, args.steps)
         table.add_row(layout, f"{before:.0f}", f"{after:.0f}", f"{after / before:.2f}", f"{(n - 1) / n:.2f}")
     console.print(table)
+
+
+def coordinator_table(args: argparse.Namespace) -> None:
+    """Node 0 lost at the same step, twice, on the planner's pipelines: as a worker node, and as the
+    coordinator's node (the coordinator's process killed with it): the second costs the standby's takeover
+    and the wait for node 0's workers to reconnect, which they do not."""
+    k_step = args.kill_at_step
+    totals: dict[str, dict[str, float]] = {}
+    with tempfile.TemporaryDirectory() as tmp:
+        for name, coordinator in (("a worker node", False), ("the coordinator's node", True)):
+            out = Path(tmp) / name.replace(" ", "-").replace("'", "")
+            out.mkdir()
+            run(args, "pipelines", out, args.devices, (0, k_step), None, coordinator=coordinator)
+            killed = float((out / "killed_at").read_text())
+            steps = steps_of(out / "pipelines-steps.jsonl")
+            records = [json.loads(line) for line in (out / EVENTS_FILE).read_text().splitlines()]
+            (recovery,) = [r for r in records if r["kind"] == "recovery"]
+            failovers = [r for r in records if r["kind"] == "failover"]
+            totals[name] = {
+                "failover": failovers[0]["took_over_at"] - killed if failovers else math.nan,
+                "detected": recovery["detected_at"] - killed,
+                "recovered": recovery["durations"].get("total", math.nan),
+                "first": min(s["time"] for s in steps if s["step"] > k_step) - killed,
+            }
+    title = (
+        f"Losing node 0 at step {k_step}: a worker node, or the coordinator's ({args.devices} CPU processes)"
+    )
+    table = Table(title=title)
+    table.add_column("")
+    for name in totals:
+        table.add_column(name, justify="right")
+    rows = (
+        ("standby took over", "failover"),
+        ("node 0's loss detected", "detected"),
+        ("  recovered (agreement to resume)", "recovered"),
+        ("kill -> first step completed after it", "first"),
+    )
+    for label, key in rows:
+        table.add_row(label, *["" if math.isnan(v[key]) else f"{v[key]:.3f} s" for v in totals.values()])
+    worker, coordinator = (v["first"] for v in totals.values())
+    table.add_row("ratio", "1x", f"{coordinator / worker:.1f}x")
+    Console().print(table)
 
 
 if __name__ == "__main__":

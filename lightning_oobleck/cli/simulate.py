@@ -71,11 +71,15 @@ def run(args: argparse.Namespace) -> int:
         f"{plan.fault_tolerance}, iteration {plan.iteration_time_s:.3f} s; {trace.failures} failures in "
         f"{trace.horizon_s / HOUR_S:g} h; simulated in {wall_s:.2f} s ({per_event * 1e3:.1f} ms per event)"
     )
-    if hits := max((r.coordinator_failures for r in results), default=0):
-        console.print(
-            f"{hits} failure(s) hit the machine of the coordinator and the store (SLURM's batch host), which "
-            "the job does not survive yet: oobleck is charged a restart from its last checkpoint for each"
-        )
+    for r in results:
+        if r.coordinator_failures:
+            survived = r.coordinator_failures - r.coordinator_restarts
+            console.print(
+                f"{r.coordinator_failures} failure(s) hit the machine of the coordinator and the store "
+                f"(SLURM's batch host at first): {survived} taken over by its standby, "
+                f"{r.coordinator_restarts} charged a restart from the last checkpoint (the standby lost at "
+                "once, or not running yet)"
+            )
     return 0
 
 
@@ -91,6 +95,7 @@ def _row(r: PolicyResult) -> dict[str, Any]:
         "events": r.events,
         "final_pipelines": r.final_pipelines,
         "coordinator_failures": r.coordinator_failures,
+        "coordinator_restarts": r.coordinator_restarts,
         "replan_s_mean": sum(r.replan_s) / len(r.replan_s) if r.replan_s else 0.0,
         "replan_s_max": max(r.replan_s, default=0.0),
     }

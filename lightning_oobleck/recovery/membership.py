@@ -79,12 +79,12 @@ leave        -         yes       yes      yes
 copy): the standby's copy takes over (:meth:`~MembershipMachine.take_over`, epoch + 1) when the active
 coordinator is lost: every live worker gets a heartbeat timeout to reconnect (``reattach``: bound to its new
 connection and told what it missed), after which it is declared dead; the workers of the lost coordinator's
-node get two heartbeat intervals. A reconnecting worker that saw a newer generation than this copy (an
-isolated predecessor's) makes the next one be numbered past it. An active machine cut off from its standby
-is isolated (:meth:`~MembershipMachine.isolate`): a GO then needs at least half of each given set ready,
-until a new standby's designation (:meth:`~MembershipMachine.designate`) is acknowledged (``standby_ack``) by
-at least half of each; isolated past ``agreement_timeout`` without such a quorum, it fences its workers and
-gives up.
+node get two heartbeat intervals, or, once every other worker reconnected, as long again as those took. A
+reconnecting worker that saw a newer generation than this copy (an isolated predecessor's) makes the next
+one be numbered past it. An active machine cut off from its standby is isolated
+(:meth:`~MembershipMachine.isolate`): a GO then needs at least half of each given set ready, until a new
+standby's designation (:meth:`~MembershipMachine.designate`) is acknowledged (``standby_ack``) by at least
+half of each; isolated past ``agreement_timeout`` without such a quorum, it fences its workers and gives up.
 
 A joiner is admitted only at a step boundary, when a member asks (``admit``), so that it never disturbs a
 step in progress; a node is admitted once all its ``devices_per_node`` processes are pending. A joiner may
@@ -293,6 +293,9 @@ class MembershipMachine:
         self._placeholders = 0
         self.coordinator_pid: int | None = None
         """The process this machine runs in, which the workers are told (a drill may kill it)."""
+        self._took_over: tuple[float, int | None] | None = None
+        """When this machine took over, and the node of the coordinator it replaced (until every other
+        worker reconnected)."""
         self._standby_hosts: set[Worker] = set()
         """Workers that said they can start a standby coordinator when asked (a worker agent can)."""
         self.abandoned = False
@@ -439,9 +442,10 @@ class MembershipMachine:
 
         Its connections were the lost coordinator's: every live worker gets ``window`` seconds to reconnect
         (``reattach``), after which it is declared dead like a silent one; the workers of ``lost_node`` (the
-        node the lost coordinator ran on, if a worker node: most likely lost with it) get two heartbeat
-        intervals at most (a live worker reconnects within milliseconds of seeing its coordinator lost, as
-        the others do). Timers restart on this
+        node the lost coordinator ran on, if a worker node: most likely lost with it) two heartbeat intervals
+        at most, and once every other worker reconnected, as long again as those took (a live worker
+        reconnects within milliseconds of seeing its coordinator lost, as the others do). Timers restart on
+        this
         host's clock (``now``, ``wall_offset``); ``host`` and ``pid`` are this host's and process's (the
         workers are told, and fenced workers are killed on this host only)."""
         self.epoch += 1
@@ -465,7 +469,22 @@ class MembershipMachine:
         for peer in self._peers.values():
             if peer.worker is not None and peer.worker.node == lost_node:
                 peer.deadline = now + min(window, 2 * self.settings.heartbeat_interval)
+        self._took_over = (now, lost_node)
         return self._effects()
+
+    def _hurry_the_lost_node(self, now: float) -> None:
+        """Every worker but those of the lost coordinator's node reconnected after a take-over: they saw the
+        coordinator lost as those would have, so those that have not reconnected within as long again (0.1 s
+        at least) are taken for lost with their node."""
+        if self._took_over is None:
+            return
+        since, lost_node = self._took_over
+        waiting = [p for p in self._peers.values() if p.detached and p.worker is not None]
+        if lost_node is None or any(p.worker.node != lost_node for p in waiting):  # type: ignore[union-attr]
+            return
+        self._took_over = None
+        for peer in waiting:
+            peer.deadline = min(peer.deadline, now + max(0.1, now - since))
 
     def isolate(self, quorums: list[frozenset[Worker]], revoke: bool, now: float) -> list[Effect]:
         """Cut off from a standby that may be alive (silent, not closed): from now on a GO needs at least half
@@ -614,6 +633,7 @@ class MembershipMachine:
         peer.deadline = now + self.settings.heartbeat_timeout
         self._alive[worker] = peer
         log.info("%s reconnected (epoch %d)", self._who(worker), self.epoch)
+        self._hurry_the_lost_node(now)
         self._welcome(peer)
         if current is None or worker not in current.workers:
             return

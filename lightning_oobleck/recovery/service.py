@@ -33,7 +33,9 @@ class CoordinatorProcess:
     there too), dying with this process; tells it of workers that ended before they registered; stops it.
 
     ``join_file``: where the coordinators keep their current addresses (:attr:`addresses` reads it), so that
-    a replacement started after a failover finds the one that took over."""
+    a replacement started after a failover finds the one that took over. ``node``: the job's node it counts
+    as part of (default: the first, as SLURM's batch host is), so that its standby runs on another, and a
+    loss of that node's processes with it is a loss of the coordinator's node."""
 
     def __init__(
         self,
@@ -43,6 +45,7 @@ class CoordinatorProcess:
         *,
         settings: MembershipSettings | None = None,
         host: str = "127.0.0.1",
+        node: int | None = 0,
     ) -> None:
         settings = settings or MembershipSettings()
         self.join_file = join_file
@@ -57,6 +60,8 @@ class CoordinatorProcess:
         ]
         command += ["--agreement-timeout", str(settings.agreement_timeout), "--join-file", str(join_file)]
         command += ["--watch-pid", str(os.getpid())]
+        if node is not None:
+            command += ["--node", str(node)]
         if settings.kill_fenced:
             command.append("--kill-fenced")
         if not settings.allow_joins:

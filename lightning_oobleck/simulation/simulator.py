@@ -14,10 +14,14 @@ policies charge, on the same trace:
     (:func:`~lightning_oobleck.planning.reconfigure.after_joins`): the members pause for the switch and
     the copy to the joiners. The job also checkpoints, rarely (``oobleck_checkpoint_interval_s``): when no
     layout can continue in place (fewer than ``n0`` nodes, or every replica of a layer lost), it restarts
-    from its last checkpoint on the machines up then, with the requested ``f`` or the most they allow. So
-    does the loss of the machine that hosts the job's coordinator and store (the SLURM batch host: the first
-    machine of the allocation, the first machine up after a relaunch), which the job does not survive yet:
-    :attr:`PolicyResult.coordinator_failures` counts them.
+    from its last checkpoint on the machines up then, with the requested ``f`` or the most they allow. The
+    job's coordinator and store run on a machine of the job (SLURM's batch host: the allocation's first
+    machine, the first up after a relaunch) with a standby on another (the next one up), started
+    ``standby_start_s`` after the job or the last failover: losing the coordinator's machine costs a
+    failover (``failover_s``, the standby's machine then hosts it and a new standby starts); losing both at
+    once, or the coordinator before its standby runs, a restart from the last checkpoint.
+    :attr:`PolicyResult.coordinator_failures` counts the failures that hit the coordinator's machine,
+    :attr:`PolicyResult.coordinator_restarts` those that cost a restart.
 ``checkpoint-restart``
     A checkpoint every ``checkpoint_interval_s`` of training (Young/Daly's ``sqrt(2 C MTBF)`` by default,
     ``C`` the write time and MTBF the trace's), blocking for the write. A loss of a running node loses the
@@ -89,8 +93,17 @@ class Costs:
     Charged to Oobleck's copies and to replica groups' heals alike."""
     coordinator_on_first_machine: bool = True
     """Oobleck: the job's coordinator and store run on the allocation's first machine (SLURM's batch host),
-    whose loss the job does not survive yet: charged as a restart from the last checkpoint. ``False``: they
-    run off the training machines (the local launcher's supervisor)."""
+    lost with it. ``False``: they run off the training machines (the local launcher's supervisor)."""
+    coordinator_failover: bool = True
+    """Oobleck: the coordinator has a standby on another machine, which takes over when it is lost.
+    ``False``: the loss of its machine restarts the job from its last checkpoint (before failover)."""
+    failover_s: float = 2.5
+    """Oobleck: the pause a loss of the coordinator's machine adds to that of its workers: the standby takes
+    over at once, and gives the lost machine's workers two heartbeat intervals to reconnect before they are
+    declared dead (2.5 s at the default 5 s heartbeat timeout; ``benchmarks/recovery.py`` measures it)."""
+    standby_start_s: float = 2.0
+    """Oobleck: from the start of the job or a failover until a (new) standby follows the coordinator (a
+    process started on another machine: about 1 s measured here)."""
 
 
 @dataclass(frozen=True)
@@ -122,7 +135,9 @@ class PolicyResult:
     """Wall time of each call to the real planner."""
     final_pipelines: int = 0
     coordinator_failures: int = 0
-    """Oobleck: losses of the coordinator's machine, each charged as a restart from the last checkpoint."""
+    """Oobleck: failures that hit the coordinator's machine."""
+    coordinator_restarts: int = 0
+    """Oobleck: those of them that cost a restart (its standby lost too, or not running yet)."""
     segments: list[Segment] = field(default_factory=list)
 
     @property
@@ -320,6 +335,31 @@ class _Machines:
         self.down: set[int] = set()
         self.coordinator = 0
         """The machine of the coordinator and the store: the allocation's first (SLURM's batch host)."""
+        self.standby = self._next_up(excluding=0)
+        """The machine of its standby (-1: none)."""
+        self.standby_ready_s = 0.0
+        """When the standby follows (a relaunch or a failover starts a new one)."""
+
+    def _next_up(self, excluding: int, also: Iterable[int] = ()) -> int:
+        skip = {excluding, *also, *self.down}
+        return next((m for m in range(self.num_nodes) if m not in skip), -1)
+
+    def lose_coordinator(self, failed: Iterable[int], t: float, start_s: float) -> bool:
+        """The coordinator's machine fails (with ``failed``) at ``t``: whether its standby takes over (it then
+        hosts the coordinator, and a new standby starts, ready ``start_s`` later)."""
+        failed = set(failed)
+        if self.standby < 0 or self.standby in failed or t < self.standby_ready_s:
+            return False
+        self.coordinator = self.standby
+        self.standby = self._next_up(self.coordinator, failed)
+        self.standby_ready_s = t + start_s
+        return True
+
+    def lose_standby(self, failed: Iterable[int], t: float, start_s: float) -> None:
+        """The standby's machine fails: another starts (if the coordinator's machine is not lost too)."""
+        if self.standby in set(failed):
+            self.standby = self._next_up(self.coordinator, failed)
+            self.standby_ready_s = t + start_s
 
     def running(self, machines: Iterable[int], plan: Plan | None) -> list[int]:
         """The plan's node ids of ``machines`` that it runs on."""
@@ -333,7 +373,10 @@ class _Machines:
         up = [m for m in range(self.num_nodes) if m not in self.down]
         self.node_id = {machine: k for k, machine in enumerate(up)}
         self.coordinator = up[0] if up else -1
-        return restarts.restart(len(up))
+        self.standby = up[1] if len(up) > 1 else -1
+        plan = restarts.restart(len(up))
+        self.standby_ready_s = restarts.clock.t + restarts.costs.standby_start_s
+        return plan
 
 
 def _interval_s(inputs: PlannerInputs, costs: Costs, trace: Trace) -> float:
@@ -380,6 +423,7 @@ def simulate_oobleck(
 ) -> PolicyResult:
     """In-place recovery and rejoin on the real planner (see the module's docstring)."""
     inputs, result, clock, restarts, machines = _start("oobleck", plan, trace, costs, oobleck=True)
+    machines.standby_ready_s = costs.standby_start_s
     current: Plan | None = plan
     waiting: list[int] = []  # machines back, not yet admitted
 
@@ -397,21 +441,27 @@ def simulate_oobleck(
             machines.down |= set(event.nodes)
             waiting = [m for m in waiting if m not in event.nodes]
             lost = machines.running(event.nodes, current)
-            if (
-                costs.coordinator_on_first_machine
-                and current is not None
-                and machines.coordinator in event.nodes
-            ):
-                result.coordinator_failures += 1  # no coordinator, no store: the job restarts
-                result.events += 1
-                current = machines.relaunch(restarts, t, interrupted=True)
-                continue
+            pause_s = costs.detection_s + costs.protocol_s
+            if costs.coordinator_on_first_machine and current is not None:
+                if machines.coordinator in event.nodes:
+                    result.coordinator_failures += 1
+                    # the standby starts when the coordinator is lost, recovery or not: the event's own time
+                    if not costs.coordinator_failover or not machines.lose_coordinator(
+                        event.nodes, event.time_s, costs.standby_start_s
+                    ):
+                        result.coordinator_restarts += 1  # no coordinator, no store: the job restarts
+                        result.events += 1
+                        current = machines.relaunch(restarts, t, interrupted=True)
+                        continue
+                    pause_s += costs.failover_s
+                else:
+                    machines.lose_standby(event.nodes, event.time_s, costs.standby_start_s)
             if not lost:
                 continue
             restarts.train_until(t, interrupted=True)
             started = time.perf_counter()
             try:
-                current = switch(after_failures(current, lost), started, costs.detection_s + costs.protocol_s)
+                current = switch(after_failures(current, lost), started, pause_s)
             except ReconfigurationError:
                 result.events += 1
                 current = machines.relaunch(restarts, t, interrupted=False)  # the step is already lost

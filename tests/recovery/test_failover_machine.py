@@ -61,6 +61,24 @@ def test_the_active_replicas_node_is_lost_with_it_and_the_survivors_agree_a_new_
     net.check_invariants()
 
 
+def test_the_coordinators_node_is_not_lost_with_its_process_and_is_soon_taken_for_lost_with_it() -> None:
+    """The coordinator's process dies alone: its node's worker reconnects like the others and nobody is lost.
+    The coordinator's node crashes: its worker is declared dead as soon as it is as late as the others were
+    quick (0.1 s here), not after the two heartbeat intervals it would get at most."""
+    net = started(3, active_node=0)
+    net.kill_replica("R0")
+    net.run(1.0)
+    r1 = net.replicas["R1"]
+    assert r1.role is Role.ACTIVE and not r1.machine.deaths and net.workers[Worker(0, 0)].epoch == 1
+    net = started(3, active_node=0)
+    net.kill_node(0)
+    for _ in range(4):
+        net.advance(0.05)
+        net.settle()
+    (death,) = net.replicas["R1"].machine.deaths
+    assert death.worker == Worker(0, 0) and "did not reconnect" in death.reason
+
+
 def test_a_new_standby_is_started_on_another_node_and_takes_over_the_next_loss() -> None:
     net = started(4, active_node=0)
     net.kill_node(0)

@@ -215,18 +215,34 @@ def test_a_copy_striped_over_replicas_charges_each_sender_its_share(plan: Plan) 
     assert copy_time_s(striped, inputs, link_share=0.5) == pytest.approx(2 * one_layer)
 
 
-def test_losing_the_coordinators_machine_is_charged_as_a_restart(plan: Plan) -> None:
-    """Under SLURM the coordinator and the store live on the batch host, the allocation's first machine: the
-    job does not survive its loss yet, so it restarts from its last checkpoint; after that restart the batch
-    host is the first machine up. Off the training machines (the local supervisor) the loss is in place."""
+def test_losing_the_coordinators_machine_costs_a_failover_or_with_its_standby_a_restart(plan: Plan) -> None:
+    """Under SLURM the coordinator and the store start on the batch host, the allocation's first machine,
+    with a standby on the next: losing the first costs a failover (its workers' loss in place, plus the
+    failover's pause), the standby's machine then hosts the coordinator and a new standby starts on the next
+    machine up. Losing both at once, or the coordinator before a new standby runs, restarts the job from
+    its last checkpoint; after a restart the first machine up hosts it. Without failover (as before) every
+    loss of its machine restarts the job; off the training machines (the local supervisor) none does."""
     horizon, costs = 6 * HOUR, Costs(oobleck_checkpoint_interval_s=HOUR / 2)
-    trace = Trace(8, horizon, (NodeEvent(HOUR + 5.0, "fail", (0,)), NodeEvent(3 * HOUR + 5.0, "fail", (1,))))
-    result = simulate_oobleck(plan, trace, costs)
-    assert result.coordinator_failures == 2 and result.events == 2
-    assert result.recovery_s >= 2 * Costs().restart_s
-    elsewhere = simulate_oobleck(plan, trace, replace(costs, coordinator_on_first_machine=False))
+    fail = (NodeEvent(HOUR + 5.0, "fail", (0,)), NodeEvent(3 * HOUR + 5.0, "fail", (1,)))
+    result = simulate_oobleck(plan, Trace(8, horizon, fail), costs)
+    assert (result.coordinator_failures, result.coordinator_restarts, result.events) == (2, 0, 2)
+    in_place = simulate_oobleck(plan, Trace(8, horizon, fail), replace(costs, failover_s=0.0))
+    assert result.recovery_s == pytest.approx(in_place.recovery_s + 2 * costs.failover_s, rel=0.05)
+    assert result.recovery_s < Costs().restart_s
+    # the coordinator's and its standby's machines at once; then the coordinator before a standby runs
+    both = simulate_oobleck(plan, Trace(8, horizon, (NodeEvent(HOUR + 5.0, "fail", (0, 1)),)), costs)
+    assert (both.coordinator_failures, both.coordinator_restarts) == (1, 1)
+    assert both.recovery_s >= Costs().restart_s
+    quick = (NodeEvent(HOUR + 5.0, "fail", (0,)), NodeEvent(HOUR + 6.0, "fail", (1,)))
+    too_soon = simulate_oobleck(plan, Trace(8, horizon, quick), costs)
+    assert (too_soon.coordinator_failures, too_soon.coordinator_restarts) == (2, 1)
+    # without failover, every loss of the coordinator's machine restarts the job
+    before = simulate_oobleck(plan, Trace(8, horizon, fail), replace(costs, coordinator_failover=False))
+    assert (before.coordinator_failures, before.coordinator_restarts) == (2, 2)
+    assert before.recovery_s >= 2 * Costs().restart_s and before.samples < result.samples
+    off = replace(costs, coordinator_on_first_machine=False)
+    elsewhere = simulate_oobleck(plan, Trace(8, horizon, fail), off)
     assert elsewhere.coordinator_failures == 0 and elsewhere.recovery_s < Costs().restart_s
-    assert result.samples < elsewhere.samples
     # a machine other than the batch host: in place, as before
     other = simulate_oobleck(plan, Trace(8, horizon, (NodeEvent(HOUR + 5.0, "fail", (3,)),)), costs)
     assert other.coordinator_failures == 0 and other.recovery_s < Costs().restart_s
