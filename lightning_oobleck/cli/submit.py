@@ -58,6 +58,8 @@ def run(args: argparse.Namespace) -> int:
         return 2
     lost = ", ".join(result.lost_nodes) or "none"
     console.print(f"job {job.job_id} ended {result.state}; lost nodes: {lost}", soft_wrap=True)
+    if result.ended_by_oobleck is not None:  # SLURM shows CANCELLED: say what it was
+        console.print(result.ended_by_oobleck, soft_wrap=True, markup=False, highlight=False)
     console.print(task_table(result))
     for task, error in sorted(result.failed.items()):
         console.print(f"task {task} failed: {error}", soft_wrap=True, markup=False, highlight=False)

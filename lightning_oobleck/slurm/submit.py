@@ -20,6 +20,7 @@ batch host by the batch script's setup lines (see :mod:`lightning_oobleck.slurm.
 
 from __future__ import annotations
 
+import json
 import re
 import shlex
 import sys
@@ -33,7 +34,7 @@ import submitit
 
 from lightning_oobleck.slurm import cluster, rendezvous
 from lightning_oobleck.slurm.config import SECTION, SubmitConfig, SubmitConfigError
-from lightning_oobleck.slurm.task import CHECK_ERROR, ScriptTask
+from lightning_oobleck.slurm.task import CHECK_ERROR, ScriptTask, end_file
 from lightning_oobleck.slurm.task import MODULE as TASK_MODULE
 
 FAULT_TOLERANT_SBATCH: dict[str, Any] = {"no-kill": True, "no-requeue": True}
@@ -82,6 +83,9 @@ class SubmitResult:
     """Nodes SLURM took out of the job while it ran."""
     not_started: str | None = None
     """Why the job ended before its tasks started: the check's line (:func:`check_lines`), else ``None``."""
+    ended_by_oobleck: str | None = None
+    """Why oobleck cancelled the job, which SLURM could not end (its batch host was lost): the line it wrote
+    in the job's output (the training completed on the surviving nodes, or could not go on)."""
 
     @property
     def succeeded(self) -> bool:
@@ -270,6 +274,8 @@ def collect(job: submitit.Job, grace_s: float = RESULT_GRACE_S) -> SubmitResult:
     while any(not job.task(i).paths.result_pickle.exists() for i in pending) and time.monotonic() < deadline:
         time.sleep(0.5)
     result = SubmitResult(job.job_id, records[-1].state, started, lost_nodes=lost_nodes)
+    if (end := end_file(job.paths.folder, job.job_id)).exists():
+        result.ended_by_oobleck = json.loads(end.read_text())["reason"]
     for i in range(job.num_tasks):
         task = job.task(i)
         if not task.paths.result_pickle.exists():

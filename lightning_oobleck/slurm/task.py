@@ -159,9 +159,9 @@ def end_job(job_id: str, what: str, completed: bool) -> None:
         "script: cancelling it (scancel) rather than leaving its nodes idle until its time limit"
     )
     with contextlib.suppress(Exception):  # the reason is best effort; the cancel is what matters
-        end = end_file(Path.cwd(), job_id)
-        end.write_text(json.dumps({"completed": completed, "reason": line}))
         output = cluster.job_fields(job_id).get("StdOut", "")
+        end = end_file(Path(output).parent if output else Path.cwd(), job_id)
+        end.write_text(json.dumps({"completed": completed, "reason": line}))
         if output and Path(output).is_file():
             _append_once(Path(output), line)
     with contextlib.suppress(Exception):
@@ -169,9 +169,10 @@ def end_job(job_id: str, what: str, completed: bool) -> None:
     print(line, file=sys.stderr, flush=True)
 
 
-def end_file(workdir: Path, job_id: str) -> Path:
-    """Where a job whose batch host was lost records how it ended (in its working directory)."""
-    return workdir / f"oobleck-{job_id}-end.json"
+def end_file(directory: Path, job_id: str) -> Path:
+    """Where a job whose batch host was lost records how it ended: beside its output file (the working
+    directory of an sbatch job, submitit's job folder)."""
+    return directory / f"oobleck-{job_id}-end.json"
 
 
 def _append_once(path: Path, line: str) -> None:

@@ -12,7 +12,7 @@ every step, every sample of every counted global batch fed once, and the weights
 who                            when                               test
 =============================  =================================  ===============================
 the coordinator (SIGKILL)      backward                           ..._mid_step_...
-the coordinator (SIGKILL)      mid-copy of a node's recovery      ..._during_a_recovery
+the coordinator (SIGKILL)      a node's recovery, before its copy ..._during_a_recovery
 coordinator + a worker node    forward, the same step             ..._together_with_a_worker_node
 the coordinator (SIGSTOP),     forward: silent, not closed, then  ..._stopped_coordinator_...
 then a worker node             backward
@@ -27,7 +27,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from test_fault_matrix import BACKWARD, FORWARD, MID_COPY, Fault, check, fit_with_faults
+from test_fault_matrix import BACKWARD, FORWARD, STATE_COPY, Fault, check, fit_with_faults
 from test_fault_matrix import reference as reference
 
 from lightning_oobleck.lightning.units import EVENTS_FILE
@@ -63,16 +63,16 @@ def test_the_coordinator_killed_mid_step_is_replaced_and_the_step_goes_on(
 @pytest.mark.timeout(300)
 @pytest.mark.slow
 def test_the_coordinator_killed_during_a_recovery(tmp_path: Path, reference: dict[str, torch.Tensor]) -> None:
-    """7 nodes (pipelines (0, 1, 2), (3, 4), (5, 6)): node 1 dies in step 1's backward; while node 3 sends
-    its share of layer 2 to node 0, the coordinator dies too: the recovery goes on with the standby, and
-    the run ends with the weights of one device."""
+    """Node 2 dies in step 1's backward; once the survivors built the next generation's groups, before the
+    state copy into them, node 0 kills the coordinator (node 1 runs its standby): the recovery goes on with
+    the standby, and the run ends with the weights of one device."""
     faults = {
-        (1, 1): Fault(signal.SIGKILL, BACKWARD),
-        (3, 1): Fault(signal.SIGKILL, MID_COPY, target=COORDINATOR),
+        (2, 1): Fault(signal.SIGKILL, BACKWARD),
+        (0, 1): Fault(signal.SIGKILL, STATE_COPY, target=COORDINATOR),
     }
-    trainer = fit_with_faults(tmp_path, faults, num_nodes=7)
-    check(trainer, tmp_path, reference, dead={1}, num_nodes=7)
-    assert coordinator_killed_by(tmp_path) == {"3.0"} and len(failovers(tmp_path)) == 1
+    trainer = fit_with_faults(tmp_path, faults)
+    check(trainer, tmp_path, reference, dead={2})
+    assert coordinator_killed_by(tmp_path) == {"0.0"} and len(failovers(tmp_path)) == 1
 
 
 @pytest.mark.timeout(300)

@@ -58,12 +58,13 @@ from lightning_oobleck.testing import FaultAction, FaultPoint, FaultTarget, arm
 
 SEED, STEPS, CLIP, GLOBAL_BATCH, MICRO, SAMPLES = 3, 5, 0.05, 12, 2, 36
 
-FORWARD, BACKWARD, GRAD_SYNC, OPTIMIZER, MID_COPY = (
+FORWARD, BACKWARD, GRAD_SYNC, OPTIMIZER, MID_COPY, STATE_COPY = (
     "forward",
     "backward",
     "grad_sync",
     "optimizer",
     "mid_copy",
+    "state_copy",
 )
 INPUT_GRAD, WEIGHT_GRAD, REDUCE = "input_grad", "weight_grad", "reduce"
 """The moments of a split backward (``schedule="zb-h1"``): in the step's second ``I``, in its second ``W``,
@@ -95,6 +96,7 @@ class Faults(L.Callback):
         GRAD_SYNC: (FaultPoint.REDUCE, 1),
         OPTIMIZER: (FaultPoint.COMMIT, 1),
         MID_COPY: (FaultPoint.COPY_CHUNK, 1),
+        STATE_COPY: (FaultPoint.STATE_COPY, 1),
         INPUT_GRAD: (FaultPoint.INPUT_GRAD, 2),
         WEIGHT_GRAD: (FaultPoint.WEIGHT_GRAD, 2),
         REDUCE: (FaultPoint.REDUCE, 1),

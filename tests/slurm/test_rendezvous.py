@@ -67,7 +67,7 @@ def test_batch_script_lines_export_a_store_and_a_coordinator_that_end_with_the_s
         )
         if state == "0A"
     }
-    assert task["value"] == "v" and task["keys"] == 1
+    assert task["value"] == "v" and task["keys"] == 2  # "k", and the count of the job's workers that finished
     assert "refused this process: refused: the job's secret is missing or wrong" in task["stranger"]
     assert (task["generation"], task["members"]) == (0, [[0, 0]])
     assert f"worker (0, 0) on {socket.gethostname()} registered" in log.read_text()  # its node, named
