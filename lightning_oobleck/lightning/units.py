@@ -26,6 +26,7 @@ import pickle
 import shutil
 import time
 import warnings
+from collections import deque
 from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, TypeVar
@@ -71,7 +72,7 @@ from lightning_oobleck.lightning.data import DataPosition, PipelineDataLoader
 from lightning_oobleck.lightning.module import batch_parts, layer_source, meta_layers
 from lightning_oobleck.recovery.admission import JoinPolicy
 from lightning_oobleck.recovery.agent import WorkerAgent
-from lightning_oobleck.recovery.events import EventLog, Failover, RecoveryEvent
+from lightning_oobleck.recovery.events import EventLog, Failover, RecoveryEvent, StepRecord
 from lightning_oobleck.recovery.joiner import Admission
 from lightning_oobleck.recovery.protocol import node_name
 from lightning_oobleck.recovery.unit_runner import Unit, UnitRunner
@@ -129,6 +130,8 @@ class LightningLoop:
         self.runner: UnitRunner | None = None
         self.events: EventLog | None = None
         self._failovers_reported = 0
+        self._recent_steps: deque[StepRecord] = deque(maxlen=16)
+        """This worker's last steps, as rank 0 records them."""
         self._validation_data_ready = False
         self.catching_up = False
         """A joiner between its admission and its first training step: the members wait inside that step,
@@ -262,14 +265,15 @@ class LightningLoop:
         output = update()
         if self.runner is not None:
             self.runner.advance()
+            runner = self.runner
+            step = StepRecord(
+                runner.progress.steps, runner.plan.global_batch_size, time.time() - self._step_started,
+                runner.generation, time.time(),
+            )  # fmt: skip
+            self._recent_steps.append(step)  # every worker: whichever becomes rank 0 fills what is missing
             if self.engine.groups.rank == 0 and self.events is not None:
-                self.events.step(
-                    self.runner.progress.steps,
-                    self.runner.plan.global_batch_size,
-                    time.time() - self._step_started,
-                    self.runner.generation,
-                )
-                self._report_failovers(self.events, self.runner.agent.failovers)
+                self.events.step(*step)
+                self._report_failovers(self.events, runner.agent.failovers)
         return output
 
     def _report_failovers(self, events: EventLog, failovers: list[Failover]) -> None:
@@ -435,6 +439,11 @@ class LightningLoop:
         if groups.rank == 0 and not was_rank_zero:
             continue_logger_runs(self.trainer)
             continue_progress_bar(self.trainer)
+            if self.events is not None:  # the old rank 0 may have died before it recorded its last step
+                recorded = self.events.recorded_steps()
+                for step in self._recent_steps:
+                    if step.step not in recorded:
+                        self.events.step(*step)
         pipelines = counted(len(plan.pipelines), "pipeline")
         layout = f"{pipelines} on {len(plan.nodes)} nodes, f={plan.fault_tolerance}"
         if plan.tensor_parallel > 1:

@@ -587,6 +587,8 @@ class WorkerAgent:
         host = "127.0.0.1" if msg.get("loopback") else socket.gethostname()
         module = os.environ.get(STANDBY_MODULE_ENV, STANDBY_MODULE)
         command = [sys.executable, "-m", module, "--follow", str(msg["follow"]), "--host", host]
+        if msg.get("loopback"):  # once it takes over, its own standbys listen there too
+            command.append("--loopback")
         command += ["--node", str(self.worker.node), "--watch-pid", str(os.getpid())]
         command += ["--heartbeat-timeout", str(self.heartbeat_timeout)]
         if msg.get("join_file"):

@@ -575,6 +575,9 @@ def run(argv: list[str] | None = None, tasks_report_end: bool = False) -> Coordi
     parser.add_argument("--join-file", help="keep the coordinators' addresses in this file (the job's)")
     parser.add_argument("--no-standby", action="store_true", help="never ask a worker to host a standby")
     parser.add_argument(
+        "--loopback", action="store_true", help="standbys listen on 127.0.0.1 too (a job on one machine)"
+    )
+    parser.add_argument(
         "--no-joins", action="store_true", help="refuse workers that register once it started"
     )
     parser.add_argument(
@@ -611,7 +614,7 @@ def run(argv: list[str] | None = None, tasks_report_end: bool = False) -> Coordi
         follow=args.follow,
         node=args.node,
         replica_settings=ReplicaSettings(
-            standby=not args.no_standby, loopback=bind.startswith("127."), join_file=args.join_file
+            standby=not args.no_standby, loopback=args.loopback, join_file=args.join_file
         ),
     )
     stop = threading.Event()

@@ -27,7 +27,7 @@ import os
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any, NamedTuple, Protocol
 
 from lightning_oobleck.recovery.protocol import Membership
 
@@ -121,6 +121,16 @@ class RecoveryEvent:
         }
 
 
+class StepRecord(NamedTuple):
+    """One completed optimizer step, as :meth:`EventLog.step` records it."""
+
+    step: int
+    samples: int
+    duration_s: float
+    generation: int
+    at: float
+
+
 @dataclass(frozen=True)
 class Failover:
     """The job's coordinator was lost and its standby took over, as a worker's agent saw it."""
@@ -168,6 +178,13 @@ class EventLog:
                 "generation": generation,
             }
         )
+
+    def recorded_steps(self) -> set[int]:
+        """The steps the file records (a new writer fills in those its predecessor did not get to)."""
+        if not self.path.exists():
+            return set()
+        records = (json.loads(line) for line in self.path.read_text().splitlines() if line.endswith("}"))
+        return {r["step"] for r in records if r.get("kind") == "step"}
 
     def recovery(self, event: RecoveryEvent, step: int | None = None) -> None:
         """Record a finished recovery (a failure, a join or both); the logger gets ``recovery/<phase>_s``,

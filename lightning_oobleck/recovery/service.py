@@ -59,7 +59,7 @@ class CoordinatorProcess:
             str(settings.settle_s),
         ]
         command += ["--agreement-timeout", str(settings.agreement_timeout), "--join-file", str(join_file)]
-        command += ["--watch-pid", str(os.getpid())]
+        command += ["--watch-pid", str(os.getpid()), "--loopback"]
         if node is not None:
             command += ["--node", str(node)]
         if settings.kill_fenced:

@@ -121,9 +121,17 @@ class Faults(L.Callback):
 
     def _record(self, fault: PointFault) -> None:
         """``fault-N.D.json`` for a worker that killed or stopped itself, ``coordinator-N.D.json`` for one
-        that did so to the coordinator."""
+        that did so to the coordinator. After a step's commit, the step counts: its samples are recorded."""
         kind = "fault" if fault.target is FaultTarget.WORKER else "coordinator"
         (self.out / f"{kind}-{self.name}.json").write_text(json.dumps(fault.to_json()))
+        if fault.point is FaultPoint.COMMIT:
+            self._write_fed(fault.step)
+
+    def _write_fed(self, step: int | None) -> None:
+        counted = self.engine().groups.generation  # an attempt interrupted by a recovery does not count
+        rows = [r for g, rows in self.fed if g == counted for r in rows.tolist()]
+        with open(self.out / f"fed-{self.name}.jsonl", "a") as f:
+            f.write(json.dumps({"step": step, "rows": rows}) + "\n")
 
     def on_train_batch_start(self, trainer: L.Trainer, *args: Any) -> None:
         self.fed.clear()
@@ -147,10 +155,7 @@ class Faults(L.Callback):
             self.fed.append((engine.groups.generation, args[0].detach().clone()))
 
     def on_train_batch_end(self, trainer: L.Trainer, *args: Any) -> None:
-        counted = self.engine().groups.generation  # an attempt interrupted by a recovery does not count
-        rows = [r for g, rows in self.fed if g == counted for r in rows.tolist()]
-        with open(self.out / f"fed-{self.name}.jsonl", "a") as f:
-            f.write(json.dumps({"step": trainer.global_step - 1, "rows": rows}) + "\n")
+        self._write_fed(trainer.global_step - 1)
 
     def on_train_end(self, trainer: L.Trainer, module: L.LightningModule) -> None:
         # a stage split over its node's devices: each parameter gathered whole (a collective of the stage)
@@ -298,12 +303,24 @@ def check(
                 value, reference[name], rtol=0, atol=1e-9, msg=f"{name} on worker {(node, device)}"
             )
     assert_every_sample_fed_once(tmp_path, dataset(SAMPLES, seed=1, dtype=torch.float64).tensors[0], STEPS)
-    # The recoveries removed exactly the workers of the killed nodes, every one of them, once.
-    _, recoveries = read_events(tmp_path / EVENTS_FILE)
+    # The recoveries removed exactly the workers of the killed nodes, every one of them, once; every step is
+    # recorded once (a new rank 0 records those its lost predecessor did not get to).
+    steps, recoveries = read_events(tmp_path / EVENTS_FILE)
+    assert sorted(s["step"] for s in steps) == list(range(1, STEPS + 1))
     removed = [tuple(w) for e in recoveries for w in e.removed]
     assert sorted(removed) == sorted(workers - survivors)
     assert sorted(tuple(w) for e in recoveries for w in e.added) == sorted(newcomers)
     assert all((e.removed or e.added) and e.resumed_at is not None for e in recoveries)
+
+
+@pytest.mark.timeout(300)
+def test_rank0_lost_after_a_commit_leaves_no_step_unrecorded(
+    tmp_path: Path, reference: dict[str, torch.Tensor]
+) -> None:
+    """Global rank 0, which records the steps, dies after step 2's commit, before its update: the others
+    apply the step, and the new rank 0 records it (the events file has every step once)."""
+    trainer = fit_with_faults(tmp_path, {(0, 2): Fault(signal.SIGKILL, OPTIMIZER)})
+    check(trainer, tmp_path, reference, dead={0})
 
 
 @pytest.mark.timeout(300)

@@ -422,6 +422,7 @@ def test_a_crashed_batch_host_is_survived_and_the_job_ends_with_the_reference_we
         assert output.count(said) == 1, output[-3000:]
         end = json.loads((tmp_path / f"oobleck-{job_id}-end.json").read_text())
         assert end["completed"] and said in end["reason"]
+        assert not (tmp_path / f"oobleck-{job_id}-join.json").exists()  # nothing can join it any more
         _assert_no_process_outlives(job_id)
     finally:
         watch.join(timeout=90)  # brought back before SLURM called it DOWN, it would be called DOWN after
