@@ -39,6 +39,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from lightning_oobleck.process import process_alive
 from lightning_oobleck.recovery.keytable import MAX_MESSAGE_BYTES
 from lightning_oobleck.recovery.membership import Death, MembershipMachine, MembershipSettings
 from lightning_oobleck.recovery.protocol import (
@@ -629,7 +630,7 @@ def run(argv: list[str] | None = None, tasks_report_end: bool = False) -> Coordi
         log.info("%s listening on %s", coordinator.role.value, coordinator.address)
         done_at: float | None = None
         while not stop.is_set() and not coordinator.wait_ended(0.5):
-            if args.watch_pid is not None and not _alive(args.watch_pid):
+            if args.watch_pid is not None and not process_alive(args.watch_pid):
                 log.warning("the process that started this coordinator (%d) is gone", args.watch_pid)
                 coordinator.crash()  # as its node would: a standby that follows it takes over
                 break
@@ -645,13 +646,3 @@ def run(argv: list[str] | None = None, tasks_report_end: bool = False) -> Coordi
 
 END_GRACE_S = 60.0
 """How long a coordinator serves the tasks' reports of their end once no worker is left."""
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True

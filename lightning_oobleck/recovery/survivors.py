@@ -51,9 +51,10 @@ def checkpoint_and_stop(
     Every survivor is at the start of the same unit (laggards applied the unit they adopted first), so
     their states agree; the first member writes the metadata (``metadata()``), from that very point.
     """
+    why = f"{error} [lost: {membership.cause}]" if membership.cause else str(error)  # the user sees why
     if plan.tensor_parallel > 1:
         raise UnrecoverableFailure(
-            f"{error} (no checkpoint written: the survivors' checkpoint of stages split over several devices "
+            f"{why} (no checkpoint written: the survivors' checkpoint of stages split over several devices "
             "is not in this release; resume from the run's last checkpoint)"
         ) from error
     alive = set(membership.nodes)
@@ -64,7 +65,7 @@ def checkpoint_and_stop(
     lost = [layer for layer, w in writer.items() if w is None]
     if lost or checkpoint_dir is None:
         reason = f"every replica of layers {lost} is lost" if lost else "no checkpoint directory was given"
-        raise UnrecoverableFailure(f"{error} (no checkpoint written: {reason})") from error
+        raise UnrecoverableFailure(f"{why} (no checkpoint written: {reason})") from error
     path = checkpoint_dir / f"survivors-step{steps}"
     partial = partial_path(path, f"gen{membership.generation}")
     write_shard(partial, module, [optimizer], shard_name(worker), lambda i: writer[i] == worker)
@@ -80,10 +81,8 @@ def checkpoint_and_stop(
         try:
             wait_for_keys(store, [committed], None, timeout, "the survivors' checkpoint commit")
         except PeerFailure as e:
-            raise UnrecoverableFailure(
-                f"{error} (the survivors' checkpoint was not committed: {e})"
-            ) from error
+            raise UnrecoverableFailure(f"{why} (the survivors' checkpoint was not committed: {e})") from error
     raise UnrecoverableFailure(
-        f"{error}. The survivors wrote a checkpoint of step {steps} to {path}: resume "
+        f"{why}. The survivors wrote a checkpoint of step {steps} to {path}: resume "
         f"with Trainer.fit(ckpt_path={str(path)!r}) on a new allocation"
     ) from error

@@ -39,6 +39,7 @@ import sys
 import threading
 from collections.abc import Sequence
 
+from lightning_oobleck.process import process_alive
 from lightning_oobleck.slurm.join import JoinInfo, join_file, write_join_file
 
 MODULE = "lightning_oobleck.slurm.rendezvous"
@@ -117,7 +118,7 @@ def serve(
         signal.signal(sig, lambda *_: stop.set())
     try:
         while not stop.wait(poll_s):
-            if watch_pid is not None and not _alive(watch_pid):
+            if watch_pid is not None and not process_alive(watch_pid):
                 break
     finally:
         if joining is not None:
@@ -147,16 +148,6 @@ def detach(argv: Sequence[str], log_path: str, timeout_s: float = STARTUP_TIMEOU
     # The server prints nothing more on stdout; closing our end cannot stop it.
     child.stdout.close()
     return line
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
 
 
 def _env_int(name: str) -> int | None:

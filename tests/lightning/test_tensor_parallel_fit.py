@@ -80,6 +80,7 @@ def test_a_split_run_trains_as_one_device_and_resumes_across_degrees(
 
 
 @pytest.mark.timeout(300)
+@pytest.mark.slow
 def test_the_zero_bubble_schedule_over_split_stages_trains_as_one_device(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -92,6 +93,7 @@ def test_the_zero_bubble_schedule_over_split_stages_trains_as_one_device(
 
 
 @pytest.mark.timeout(300)
+@pytest.mark.slow
 def test_validate_and_test_over_split_stages_equal_one_device(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

@@ -393,6 +393,7 @@ def test_whole_nodes_of_two_processes(tmp_path: Path, reference: dict[str, torch
 
 
 @pytest.mark.timeout(300)
+@pytest.mark.slow
 def test_a_stage_split_over_two_processes_loses_global_rank_0(
     tmp_path: Path, reference: dict[str, torch.Tensor]
 ) -> None:

@@ -126,6 +126,10 @@ def test_survivors_checkpoint_then_resume_on_another_layout(
         )
     message = str(error.value)
     assert "no pipeline fits" in message, message
+    # and why: the nodes lost, each with its cause
+    lost = message.split("[lost: ")[1].split("]")[0].split("; ")
+    assert sorted(cause.split(")")[0] + ")" for cause in lost) == [f"({n}, 0)" for n in KILLED], message
+    assert all(cause.endswith("the process died") for cause in lost), message
     assert f"Trainer.fit(ckpt_path={str(checkpoint)!r})" in message, message
     assert {p.name for p in first.glob("fault-*.json")} == {f"fault-{n}.0.json" for n in KILLED}
     assert not list(first.glob("final-*.pt"))

@@ -44,6 +44,7 @@ def tied_reference(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
 
 
 @pytest.mark.timeout(300)
+@pytest.mark.slow
 def test_the_tie_survives_the_loss_of_its_canonical_holder_and_of_a_head(
     tmp_path: Path, tied_reference: dict[str, Any]
 ) -> None:
