@@ -100,6 +100,7 @@ def test_a_drill_from_the_environment_kills_the_named_worker() -> None:
 
 
 @pytest.mark.timeout(60)
+@pytest.mark.slow
 def test_a_kill_after_a_delay_comes_from_a_timer() -> None:
     proc = _drill(Fault(FaultPoint.STATE_COPY, step=4, after_s=0.5), linger_s=20)
     assert proc.stdout is not None and proc.stdout.readline() == "started\n"
@@ -109,6 +110,7 @@ def test_a_kill_after_a_delay_comes_from_a_timer() -> None:
 
 
 @pytest.mark.timeout(60)
+@pytest.mark.slow
 def test_a_stall_stops_the_process_silently() -> None:
     proc = _drill(Fault(FaultPoint.STATE_COPY, FaultAction.STALL, step=4), linger_s=0)
     try:
