@@ -5,6 +5,7 @@ process is SIGKILLed."""
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
@@ -14,6 +15,8 @@ import time
 from pathlib import Path
 
 import pytest
+
+from lightning_oobleck.lightning.units import EVENTS_FILE
 
 SCRIPT = textwrap.dedent(
     """
@@ -46,7 +49,9 @@ SCRIPT = textwrap.dedent(
             enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
             callbacks=[Slow()], default_root_dir=OUT,
         )
-        trainer.fit(TinyNet(), loader)
+        model = TinyNet()
+        model.example_input_array = torch.zeros(1, 4)  # profiled: the layout can recover in place
+        trainer.fit(model, loader)
     """
 )
 
@@ -77,6 +82,13 @@ def alive(pid: int) -> bool:
         return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
     except FileNotFoundError:
         return False
+
+
+def recovered(out: Path) -> bool:
+    """Whether the run's events record a finished recovery (the survivor trains on)."""
+    events = out / EVENTS_FILE
+    lines = events.read_text().splitlines() if events.exists() else []
+    return any(json.loads(line)["kind"] == "recovery" for line in lines if line.endswith("}"))
 
 
 def wait_gone(pids: set[int], within_s: float) -> set[int]:
@@ -110,6 +122,10 @@ def test_loader_workers_die_with_their_training_worker_and_everything_with_the_l
         assert len(victims_loaders) >= 2, "the DataLoader's workers should be running"
         os.kill(victim, signal.SIGKILL)
         assert not wait_gone(victims_loaders, 10.0), "loader workers outlived their training worker"
+        deadline = time.monotonic() + 30
+        while not recovered(tmp_path) and time.monotonic() < deadline and launcher.poll() is None:
+            time.sleep(0.05)
+        assert recovered(tmp_path), stderr.read_text()[-3000:]
         assert alive(survivor) and launcher.poll() is None, "training should go on without node 1"
 
         deadline = time.monotonic() + 10  # the survivor's loader workers (its iterator may be restarting)
