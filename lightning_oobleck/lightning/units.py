@@ -265,11 +265,10 @@ class LightningLoop:
         output = update()
         if self.runner is not None:
             self.runner.advance()
-            runner = self.runner
-            step = StepRecord(
-                runner.progress.steps, runner.plan.global_batch_size, time.time() - self._step_started,
-                runner.generation, time.time(),
-            )  # fmt: skip
+            runner, now = self.runner, time.time()
+            took = now - self._step_started
+            samples = runner.plan.global_batch_size
+            step = StepRecord(runner.progress.steps, samples, took, runner.generation, now)
             self._recent_steps.append(step)  # every worker: whichever becomes rank 0 fills what is missing
             if self.engine.groups.rank == 0 and self.events is not None:
                 self.events.step(*step)
@@ -440,9 +439,9 @@ class LightningLoop:
             continue_logger_runs(self.trainer)
             continue_progress_bar(self.trainer)
             if self.events is not None:  # the old rank 0 may have died before it recorded its last step
-                recorded = self.events.recorded_steps()
+                last = self.events.last_step()
                 for step in self._recent_steps:
-                    if step.step not in recorded:
+                    if step.step > last:
                         self.events.step(*step)
         pipelines = counted(len(plan.pipelines), "pipeline")
         layout = f"{pipelines} on {len(plan.nodes)} nodes, f={plan.fault_tolerance}"

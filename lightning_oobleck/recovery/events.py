@@ -22,6 +22,7 @@ one ``write`` each, so a writer killed mid-run never leaves half a line for the 
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import time
@@ -121,6 +122,10 @@ class RecoveryEvent:
         }
 
 
+_TAIL_BYTES = 1 << 16
+"""How much of the file's end :meth:`EventLog.last_step` reads (many records, whatever their kind)."""
+
+
 class StepRecord(NamedTuple):
     """One completed optimizer step, as :meth:`EventLog.step` records it."""
 
@@ -179,12 +184,20 @@ class EventLog:
             }
         )
 
-    def recorded_steps(self) -> set[int]:
-        """The steps the file records (a new writer fills in those its predecessor did not get to)."""
+    def last_step(self) -> int:
+        """The newest step the file records (0: none), from its end only: a new writer fills in the steps its
+        predecessor completed but did not get to record, on the recovery path, whatever the run's length."""
         if not self.path.exists():
-            return set()
-        records = (json.loads(line) for line in self.path.read_text().splitlines() if line.endswith("}"))
-        return {r["step"] for r in records if r.get("kind") == "step"}
+            return 0
+        with open(self.path, "rb") as f:
+            f.seek(max(0, self.path.stat().st_size - _TAIL_BYTES))
+            lines = f.read().decode(errors="replace").splitlines()
+        for line in reversed(lines):
+            with contextlib.suppress(ValueError):  # the tail's first line may be cut
+                record = json.loads(line)
+                if record.get("kind") == "step":
+                    return int(record["step"])
+        return 0
 
     def recovery(self, event: RecoveryEvent, step: int | None = None) -> None:
         """Record a finished recovery (a failure, a join or both); the logger gets ``recovery/<phase>_s``,

@@ -111,3 +111,15 @@ def test_a_new_run_starts_the_file_and_a_later_writer_appends(tmp_path: Path) ->
     EventLog(path).step(2, samples=8, duration_s=0.1, generation=1)  # its new rank 0, after a failure
     steps, _ = read_events(path)
     assert [(s["step"], s["generation"]) for s in steps] == [(1, 0), (2, 1)]
+
+
+def test_the_last_recorded_step_is_read_from_the_end_of_a_long_file(tmp_path: Path) -> None:
+    """A new rank 0 learns which steps its lost predecessor recorded from the file's end alone: the newest
+    step record, behind later records of other kinds, however long the run was."""
+    log = EventLog(tmp_path / "run.jsonl")
+    assert log.last_step() == 0
+    for step in range(1, 3001):
+        log.step(step, samples=12, duration_s=0.01, generation=0)
+    log.recovery(RecoveryEvent(generation=1, removed=[[1, 0]], added=[], cause="test"), step=3000)
+    assert log.path.stat().st_size > 4 * (1 << 16)
+    assert log.last_step() == 3000
