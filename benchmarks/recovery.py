@@ -3,9 +3,11 @@
 Both runs train the example GPT (``examples/gpt``, small settings) on the same CPU processes and lose
 the same rank to a real SIGKILL at the same step:
 
-* ``strategy="oobleck"``, twice: on the planner's pipelines (a failure copies layers to the nodes that
-  take over) and on pure data parallelism (every worker holds the whole model: nothing to copy). The
-  survivors recover inside the same ``Trainer.fit``; the time from the kill
+* ``strategy="oobleck"``, three times: on the planner's pipelines (a failure copies layers to the nodes that
+  take over), on the same pipelines with ``recovery_policy="reroute"`` (the damaged pipeline keeps its
+  surviving stages, the lost stage's micro-batches run on the other pipelines' replicas: nothing to copy,
+  slower steps after it) and on pure data parallelism (every worker holds the whole model: nothing to
+  copy). The survivors recover inside the same ``Trainer.fit``; the time from the kill
   to the end of the first step after it, and the recovery's phases, come from the run's event file;
 * ``strategy="ddp"`` with ``ModelCheckpoint(every_n_train_steps=1)``: Lightning's launcher stops every
   process, then a new ``python`` process resumes with ``ckpt_path=last.ckpt`` on the survivors (a fresh
@@ -55,8 +57,9 @@ EXAMPLES = Path(__file__).resolve().parents[1] / "examples" / "gpt"
 MODEL = {"vocab_size": 256, "seq_len": 32, "d_model": 64, "n_heads": 4, "n_blocks": 4}
 OPTIM = {"lr": 3e-3, "weight_decay": 0.01, "warmup_steps": 5}
 GLOBAL_BATCH, MICRO = 24, 2
-LAYOUTS = ("pipelines", "data-parallel")
-"""The oobleck runs: the planner's pipelines, and pure data parallelism."""
+LAYOUTS = ("pipelines", "rerouted", "data-parallel")
+"""The oobleck runs: the planner's pipelines (re-instantiated after the failure), the same pipelines with
+``recovery_policy="reroute"`` (nothing copied), and pure data parallelism."""
 
 sys.path.insert(0, str(EXAMPLES))
 from data import CharWindows, make_corpus  # noqa: E402 (examples/gpt)
@@ -131,7 +134,8 @@ def train(args: argparse.Namespace, clock_type: type[Clock] = Clock) -> None:
         # "pipelines": the planner's layout when a device holds only part of the model (3.5 MB for the
         # default GPT, in proportion for others); "data-parallel": when a device holds the whole model, the
         # planner makes one-stage pipelines: nothing to copy.
-        memory = 3.5e6 * parameters(model) / parameters(MODEL) if args.strategy == "pipelines" else 1e12
+        split = args.strategy != "data-parallel"
+        memory = 3.5e6 * parameters(model) / parameters(MODEL) if split else 1e12
         strategy: Any = OobleckStrategy(
             global_batch_size=GLOBAL_BATCH,
             microbatch_size=MICRO,
@@ -139,6 +143,7 @@ def train(args: argparse.Namespace, clock_type: type[Clock] = Clock) -> None:
             start_method="forkserver",
             replace_failed_after_s=getattr(args, "rejoin_after_s", None),
             planner={"cluster": {"device_memory_bytes": memory}},
+            recovery_policy="reroute" if args.strategy == "rerouted" else "reinstantiate",
         )
         loader = DataLoader(data, batch_size=GLOBAL_BATCH, shuffle=True)
         callbacks: list[L.Callback] = [clock]
@@ -284,6 +289,7 @@ def main() -> None:
         table.add_column("DDP restart from checkpoint", justify="right")
     rows: dict[str, list[str]] = {"detection": [], **{f"  {p}": [] for p in PHASES[1:-1]}}
     rows["  state copied (GB, GB/s)"] = []
+    rows["kill -> training resumed"] = []
     rows.update({"failed run torn down": [], "kill -> first step completed after it": [], "speed-up": []})
     for run_ in oobleck.values():
         event, killed = run_["event"], run_["killed"]
@@ -296,6 +302,7 @@ def main() -> None:
             f"{event.copied_bytes / 1e9:.3f}" + (f", {speed:.2f}" if speed is not None else "")
         )
         total = run_["first"] - killed
+        rows["kill -> training resumed"].append(f"{(event.resumed_at or killed) - killed:.2f} s")
         rows["failed run torn down"].append("")
         rows["kill -> first step completed after it"].append(f"{total:.2f} s")
         rows["speed-up"].append(f"{ddp_total / total:.1f}x" if ddp_total is not None else "")

@@ -26,6 +26,7 @@ import argparse
 import multiprocessing as mp
 import statistics
 import time
+from collections.abc import Callable
 from datetime import timedelta
 from typing import Any
 
@@ -243,30 +244,44 @@ def plot(results: dict[int, Any], microbatches: int, path: str) -> None:
         len(SCHEDULE_NAMES), 1, sharex=True, figsize=(14, 1.2 + 0.45 * stages * len(SCHEDULE_NAMES))
     )
     for ax, schedule in zip(axes, SCHEDULE_NAMES, strict=True):
-        origin = min(t.start for r in results.values() for t in r["traces"][schedule])
-        end = 0.0
-        for stage, result in sorted(results.items()):
-            for t in result["traces"][schedule]:
-                if t.action.op in COLORS:
-                    ax.barh(
-                        stage,
-                        (t.end - t.start) * 1e3,
-                        left=(t.start - origin) * 1e3,
-                        height=0.8,
-                        color=COLORS[t.action.op],
-                        edgecolor="white",
-                        linewidth=0.3,
-                    )
-                    end = max(end, (t.end - origin) * 1e3)
-        ax.set_yticks(range(stages), [f"stage {s}" for s in range(stages)])
-        ax.invert_yaxis()
+        traces = [result["traces"][schedule] for _, result in sorted(results.items())]
+        end = draw_actions(ax, traces, [f"stage {s}" for s in range(stages)])
         ax.set_title(f"{schedule}: {stages} stages, {microbatches} micro-batches, step {end:.0f} ms")
-        ax.set_xlabel("ms")
     axes[0].legend(
         handles=[Patch(color=c, label=op.value) for op, c in COLORS.items()], loc="upper right", ncols=4
     )
     fig.tight_layout()
     fig.savefig(path, dpi=110)
+
+
+def draw_actions(
+    ax: Any,
+    traces: list[list[Timing]],
+    labels: list[str],
+    hatched: Callable[[int, Timing], bool] | None = None,
+) -> float:
+    """Each trace's compute actions as bars on one row of ``ax`` (ms from the earliest start), those for
+    which ``hatched(row, timing)`` holds hatched; returns where the last one ends."""
+    origin = min(t.start for trace in traces for t in trace)
+    end = 0.0
+    for row, trace in enumerate(traces):
+        for t in trace:
+            if t.action.op in COLORS:
+                ax.barh(
+                    row,
+                    (t.end - t.start) * 1e3,
+                    left=(t.start - origin) * 1e3,
+                    height=0.8,
+                    color=COLORS[t.action.op],
+                    hatch="///" if hatched is not None and hatched(row, t) else None,
+                    edgecolor="white",
+                    linewidth=0.3,
+                )
+                end = max(end, (t.end - origin) * 1e3)
+    ax.set_yticks(range(len(traces)), labels)
+    ax.invert_yaxis()
+    ax.set_xlabel("ms")
+    return end
 
 
 def main() -> None:

@@ -21,7 +21,13 @@ def test_fixed_removals_in_json_and_a_plot(tmp_path, capsys) -> None:
     data = json.loads(out)
     assert data["trace"] == {"nodes": 8, "horizon_h": 3.0, "failures": 3, "returns": 0}
     results = {r["policy"]: r for r in data["results"]}
-    assert set(results) == {"oobleck", "checkpoint-restart", "replica-groups"}
+    assert set(results) == {
+        "oobleck",
+        "oobleck-reroute",
+        "oobleck-auto",
+        "checkpoint-restart",
+        "replica-groups",
+    }
     assert all(r["samples"] <= r["failure_free_samples"] for r in results.values())
     assert results["oobleck"]["samples"] > results["checkpoint-restart"]["samples"]
     assert results["oobleck"]["events"] == 3 and results["oobleck"]["final_pipelines"] >= 1

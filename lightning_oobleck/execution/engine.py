@@ -44,15 +44,16 @@ from lightning_oobleck.execution.tensor_parallel import (
     parallelize_stage,
 )
 from lightning_oobleck.planning.plan import Plan
+from lightning_oobleck.planning.reroute import shared_pairs, step_actions
 from lightning_oobleck.planning.schedules import (
     Action,
+    Op,
     PipelineSpec,
     Timing,
     in_flight_limit,
     pipeline_actions,
     validate,
 )
-from lightning_oobleck.worker import Worker
 
 
 def pipeline_batch_slice(plan: Plan, pipeline: int) -> slice:
@@ -60,6 +61,16 @@ def pipeline_batch_slice(plan: Plan, pipeline: int) -> slice:
     (:meth:`Plan.samples`), as a slice."""
     samples = plan.samples(pipeline)
     return slice(samples.start, samples.stop)
+
+
+def _consecutive_runs(values: tuple[int, ...]) -> list[list[int]]:
+    runs: list[list[int]] = []
+    for v in values:
+        if runs and runs[-1][-1] == v - 1:
+            runs[-1].append(v)
+        else:
+            runs.append([v])
+    return runs
 
 
 def check_plan(plan: Plan, num_layers: int, tied_layers: tuple[tuple[int, ...], ...] = ()) -> None:
@@ -180,15 +191,23 @@ class PipelineEngine:
         self.module = module
         pipeline = plan.pipelines[self.role.pipeline]
         module.recompute = pipeline.stages[self.role.stage].recompute
-        self.microbatches = pipeline.microbatches
         self.batch_slice = pipeline_batch_slice(plan, self.role.pipeline)
         self._context = StageContext(
-            module, self.device, groups.world, groups.waiter, self.abort, groups.rank_of
+            module, self.device, groups.world, groups.waiter, self.abort, groups.rank_of, self.num_layers
         )
         if self._grad_sync is not None:
             self._grad_sync.close()
         self._grad_sync = GradientSync(module, groups, self.bucket_cap_bytes)
-        self.train_actions, self.eval_actions = self._actions(plan, groups.worker, self._grad_sync)
+        self.train_actions, self.eval_actions = self._actions(plan, groups, self._grad_sync)
+        self.microbatch_ids = tuple(sorted({a.microbatch for a in self.train_actions if a.op is Op.F}))
+        """The global micro-batches this worker runs in a step: its pipeline's, and those rerouted to it."""
+        b = plan.microbatch_size
+        self.samples = tuple(
+            range(run[0] * b, (run[-1] + 1) * b) for run in _consecutive_runs(self.microbatch_ids)
+        )
+        """The offsets in every global batch of the samples :meth:`train_step` takes, in order: its
+        pipeline's share (``batch_slice``) and, on a rerouted plan, the shares of the micro-batches rerouted
+        to this worker."""
         self.trace: list[Timing] | None = None
         """Set to a list to record when each action of the following steps ran (benchmarks, timelines)."""
         # Each parameter counts once in the norm: on the lowest pipeline's replica of its layer (of a tie's
@@ -211,9 +230,24 @@ class PipelineEngine:
         ]
 
     @staticmethod
-    def _actions(plan: Plan, worker: Worker, sync: GradientSync) -> tuple[list[Action], list[Action]]:
+    def _actions(plan: Plan, groups: ProcessGroups, sync: GradientSync) -> tuple[list[Action], list[Action]]:
         """This worker's training and evaluation action lists under ``plan``, validated with its whole
-        pipeline's (once per generation: the lists are the same every step)."""
+        pipeline's, or on a rerouted plan with every worker's (once per generation: the lists are the same
+        every step)."""
+        worker = groups.worker
+        if plan.reroutes:
+            buckets = {worker: sync.bucket_layers}
+            train, limits = step_actions(plan, groups.tensor_rank, buckets)
+            if groups.backend == "nccl" and (shared := shared_pairs(plan)):
+                raise NotImplementedError(
+                    f"this rerouted step sends two routes' micro-batches between workers {list(shared[0])}, "
+                    "which NCCL cannot keep apart (it has no message tags): recover with "
+                    "recovery_policy='reinstantiate' on NCCL"
+                )
+            validate(train, limits, {worker: len(sync.bucket_layers)})
+            evaluation, _ = step_actions(plan, groups.tensor_rank, train=False)
+            validate(evaluation)
+            return train[worker], evaluation[worker]
         role = plan.role(*worker)
         pipeline = plan.pipelines[role.pipeline]
         num_stages = len(pipeline.stages)
@@ -251,24 +285,24 @@ class PipelineEngine:
             if needed and part is None:
                 where = "first" if name == "inputs" else "last"
                 raise ValueError(f"the {where} stage of a pipeline needs {name}, got None")
-        m = self.microbatches
-        xs = self._split("inputs", inputs) if self.is_first_stage else [None] * m
-        ys = self._split("targets", targets) if self.is_last_stage else [None] * m
+        ids = self.microbatch_ids
+        xs = self._split("inputs", inputs) if self.is_first_stage else [None] * len(ids)
+        ys = self._split("targets", targets) if self.is_last_stage else [None] * len(ids)
         side = {k: self._split(f"context[{k!r}]", v) for k, v in (context or {}).items()}
-        ids = self.plan.microbatch_range(self.role.pipeline)
         return {mb: Microbatch(xs[i], ys[i], {k: v[i] for k, v in side.items()}) for i, mb in enumerate(ids)}
 
     def _split(self, name: str, batch: Any) -> list[Any]:
-        """``batch`` (a tensor or pytree of tensors) cut into this pipeline's micro-batches."""
-        b, m = self.plan.microbatch_size, self.microbatches
+        """``batch`` (a tensor or pytree of tensors) cut into the micro-batches this worker runs."""
+        b, m = self.plan.microbatch_size, len(self.microbatch_ids)
         leaves, spec = pytree.tree_flatten(batch)
         cut = []
         for leaf in leaves:
             if not isinstance(leaf, Tensor) or leaf.dim() == 0 or leaf.shape[0] != m * b:
                 got = f"{leaf.shape[0]} samples" if isinstance(leaf, Tensor) and leaf.dim() else repr(leaf)
                 raise ValueError(
-                    f"{name} has {got} but this pipeline runs {m} micro-batches of {b}: every tensor of it "
-                    f"must hold global_batch[engine.batch_slice] ({m * b} samples) along its first dimension"
+                    f"{name} has {got} but this worker runs {m} micro-batches of {b}: every tensor of it "
+                    f"must hold the samples engine.samples of the global batch ({m * b}) along its first "
+                    "dimension"
                 )
             cut.append(leaf.to(self.device, non_blocking=True).split(b))
         return [pytree.tree_unflatten([c[i] for c in cut], spec) for i in range(m)]

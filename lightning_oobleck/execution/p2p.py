@@ -211,9 +211,11 @@ class Outbox:
         waiter: CommWaiter,
         abort: threading.Event,
         header: bool,
+        tag: int = 0,
     ) -> None:
         self.peer = peer
         self.group = group
+        self.tag = tag
         self.device = device
         self._waiter = waiter
         self._abort = abort
@@ -256,7 +258,7 @@ class Outbox:
         if t.numel() == 0:
             return  # gloo refuses empty messages; the receiver knows the shape from the header
         with self._waiter.issuing():
-            self._pending.append((dist.isend(t, self.peer, group=self.group), t))
+            self._pending.append((dist.isend(t, self.peer, group=self.group, tag=self.tag), t))
 
     def wait(self) -> None:
         """Block (abortably) until every tensor sent so far has left."""
@@ -270,7 +272,9 @@ class Inbox:
     With ``header`` the pytrees' structure and metadata come with them (activations), and the next pytree
     is received ahead, speculatively (see the module's docstring); its leaves are views of the message.
     Without, the caller passes the leaves' metadata to :meth:`get` (gradients have the shapes of the
-    activations sent), and each leaf is received into a fresh buffer.
+    activations sent), and each leaf is received into a fresh buffer. ``tag``: the channel (an
+    :class:`Outbox` with the same tag sends to it; streams of other tags between the same ranks keep their
+    own order).
     """
 
     def __init__(
@@ -282,9 +286,11 @@ class Inbox:
         waiter: CommWaiter,
         abort: threading.Event,
         header: bool,
+        tag: int = 0,
     ) -> None:
         self.peer = peer
         self.group = group
+        self.tag = tag
         self.device = device
         self._header = header
         self._remaining = count
@@ -300,7 +306,7 @@ class Inbox:
         if buf.numel() == 0:
             return None, buf
         with self._waiter.issuing():
-            return dist.irecv(buf, self.peer, group=self.group), buf
+            return dist.irecv(buf, self.peer, group=self.group, tag=self.tag), buf
 
     def _wait(self, received: Sequence[_Received]) -> list[Tensor]:
         self._waiter.wait([work for work, _ in received if work is not None], self._abort)

@@ -148,6 +148,7 @@ class ProcessGroups:
             tuple(self._ranks[w] for w in p.workers_of_stage(s))
             for p in self.plan.pipelines
             for s in range(len(p.stages))
+            if p.worker_of_stage(s).node not in self.plan.lost
         )
 
     def rank_of(self, worker: Worker) -> int:

@@ -24,7 +24,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from torch import Tensor
+from torch import Tensor, nn
 
 from lightning_oobleck.execution import faults
 from lightning_oobleck.execution.backward import (
@@ -56,6 +56,8 @@ class StageContext:
     waiter: CommWaiter
     abort: threading.Event
     rank_of: Callable[[Worker], int]
+    num_layers: int
+    """The model's layers: the action that runs the last one computes its micro-batch's loss."""
 
 
 @dataclass
@@ -81,6 +83,10 @@ class _InFlight:
     weight: WeightGradient | None = None
 
 
+_Stream = tuple[Worker, Payload, int]
+"""The transfers of one kind with one peer on one channel (:attr:`Action.channel`, the message tag)."""
+
+
 class _Step:
     """The state of one step of one worker: inboxes, outboxes and micro-batches in flight."""
 
@@ -102,49 +108,57 @@ class _Step:
         self.received: dict[tuple[Payload, int], Any] = {}
         self.in_flight: dict[int, _InFlight] = {}
         self.to_send: dict[tuple[Payload, int], tuple[list[Tensor], Any, list[bool]]] = {}
-        counts: dict[tuple[Worker, Payload], int] = {}
+        self.layers_of: dict[int, tuple[int, ...]] = {}  # the layers each micro-batch's forward ran
+        counts: dict[_Stream, int] = {}
         for a in actions:
             if a.op is Op.RECV:
                 assert a.peer is not None and a.payload is not None
-                counts[(a.peer, a.payload)] = counts.get((a.peer, a.payload), 0) + 1
+                counts[(a.peer, a.payload, a.channel)] = counts.get((a.peer, a.payload, a.channel), 0) + 1
         args = (ctx.device, ctx.waiter, ctx.abort)
         self.inboxes = {
-            key: Inbox(ctx.rank_of(key[0]), ctx.group, n, *args, header=key[1] is Payload.ACTIVATION)
-            for key, n in counts.items()
+            (peer, payload, channel): Inbox(
+                ctx.rank_of(peer), ctx.group, n, *args, header=payload is Payload.ACTIVATION, tag=channel
+            )
+            for (peer, payload, channel), n in counts.items()
         }
-        self.outboxes: dict[tuple[Worker, Payload], Outbox] = {}
+        self.outboxes: dict[_Stream, Outbox] = {}
         for a in actions:
-            if a.op is Op.SEND and (a.peer, a.payload) not in self.outboxes:
+            key = (a.peer, a.payload, a.channel)
+            if a.op is Op.SEND and key not in self.outboxes:
                 assert a.peer is not None and a.payload is not None
                 header = a.payload is Payload.ACTIVATION
-                self.outboxes[(a.peer, a.payload)] = Outbox(
-                    ctx.rank_of(a.peer), ctx.group, *args, header=header
+                self.outboxes[key] = Outbox(  # type: ignore[index]
+                    ctx.rank_of(a.peer), ctx.group, *args, header=header, tag=a.channel
                 )
-        module = ctx.module
-        self.split = [
-            p
-            for i in module.layer_indices
-            if splits_backward(module.layer(i))
-            for p in module.layer(i).parameters()
-        ]
-        self.whole = [
-            p
-            for i in module.layer_indices
-            if not splits_backward(module.layer(i))
-            for p in module.layer(i).parameters()
-        ]
-        if module.recompute:  # recomputation runs inside the backward: it cannot be split
-            self.split, self.whole = [], self.split + self.whole
+        self._params: dict[tuple[int, ...], tuple[list[nn.Parameter], list[nn.Parameter]]] = {}
+
+    def params(self, layers: tuple[int, ...]) -> tuple[list[nn.Parameter], list[nn.Parameter]]:
+        """The parameters of ``layers`` whose gradients a ``W`` may compute after an ``I``, and the others."""
+        if layers not in self._params:
+            module = self.ctx.module
+            split: list[nn.Parameter] = []
+            whole: list[nn.Parameter] = []
+            for i in layers:
+                layer = module.layer(i)
+                (split if splits_backward(layer) else whole).extend(layer.parameters())
+            if module.recompute:  # recomputation runs inside the backward: it cannot be split
+                split, whole = [], split + whole
+            self._params[layers] = (split, whole)
+        return self._params[layers]
 
     def recv(self, a: Action) -> None:
         assert a.peer is not None and a.payload is not None
-        inbox = self.inboxes[(a.peer, a.payload)]
+        inbox = self.inboxes[(a.peer, a.payload, a.channel)]
         if a.payload is Payload.ACTIVATION:
             self.received[(a.payload, a.microbatch)] = inbox.get()
         else:
             self.in_flight[a.microbatch].output_grads = inbox.get(self.in_flight[a.microbatch].sent)[0]
 
-    def forward(self, mb: int, last: bool) -> None:
+    def forward(self, mb: int, layers: tuple[int, ...]) -> None:
+        """``F`` of micro-batch ``mb`` through ``layers`` (the action's: the stage's, or a part of them for a
+        rerouted micro-batch); the one through the model's last layer computes the loss."""
+        last = layers[-1] == self.ctx.num_layers - 1
+        self.layers_of[mb] = layers
         if (Payload.ACTIVATION, mb) in self.received:
             x, metas = self.received.pop((Payload.ACTIVATION, mb))
             leaves = flatten(x)[0]
@@ -153,7 +167,7 @@ class _Step:
                 t.requires_grad_(True)
         else:
             x, x_grad = self.data[mb].inputs, []
-        y = self.ctx.module(x, self.data[mb].context)
+        y = self.ctx.module(x, self.data[mb].context, layers)
         if last:
             loss = self.loss_fn(y, self.data[mb].targets) * self.loss_scale
             self.loss_sum = loss.detach() if self.loss_sum is None else self.loss_sum + loss.detach()
@@ -192,7 +206,8 @@ class _Step:
             if op is Op.B:
                 torch.autograd.backward(state.outputs, grads)
             else:
-                state.weight = backward_input(state.outputs, grads, state.inputs, self.split, self.whole)
+                split, whole = self.params(self.layers_of[mb])
+                state.weight = backward_input(state.outputs, grads, state.inputs, split, whole)
         elif op is Op.I:
             state.weight = WeightGradient([])
         if state.inputs:
@@ -204,7 +219,7 @@ class _Step:
     def send(self, a: Action) -> None:
         assert a.payload is not None
         leaves, spec, grads = self.to_send.pop((a.payload, a.microbatch), ([], None, []))
-        self.outboxes[(a.peer, a.payload)].send(leaves, spec, grads)  # type: ignore[index]
+        self.outboxes[(a.peer, a.payload, a.channel)].send(leaves, spec, grads)  # type: ignore[index]
 
     def wait_sends(self) -> None:
         for box in self.outboxes.values():
@@ -232,7 +247,6 @@ def run_actions(
     sum (last stage). With ``sync`` it is a training step, else a forward-only one without autograd.
     ``trace``: append every action's start and end (``time.perf_counter``)."""
     train = sync is not None
-    last_stage = not any(a.op is Op.SEND and a.payload is Payload.ACTIVATION for a in actions)
     last_gradient = max((k for k, a in enumerate(actions) if a.op in GRADIENT_OPS), default=-1)
     step = _Step(ctx, actions, data, loss_fn, loss_scale, train)
     with torch.set_grad_enabled(train):
@@ -244,7 +258,7 @@ def run_actions(
             if train and (point := _FAULT_POINTS.get(a.op)) is not None:
                 faults.reach(point)
             if a.op is Op.F:
-                step.forward(a.microbatch, last_stage)
+                step.forward(a.microbatch, a.layers)
             elif a.op in (Op.B, Op.I, Op.W):
                 step.backward(a.microbatch, a.op)
             elif a.op is Op.RECV:

@@ -59,8 +59,12 @@ class StageModule(nn.Module):
         """Activation recomputation: under autograd, each layer keeps only its input and runs its forward
         again in the backward (``torch.utils.checkpoint``, non-reentrant; the RNG state is replayed)."""
 
-    def forward(self, x: Any, context: Mapping[str, Any] | None = None) -> Any:
-        return forward_layers(self.layers.values(), x, context, self.recompute and torch.is_grad_enabled())
+    def forward(
+        self, x: Any, context: Mapping[str, Any] | None = None, layers: Sequence[int] | None = None
+    ) -> Any:
+        """``x`` through the held layers, or through ``layers`` of them (a rerouted micro-batch's part)."""
+        chosen = self.layers.values() if layers is None else [self.layer(i) for i in layers]
+        return forward_layers(chosen, x, context, self.recompute and torch.is_grad_enabled())
 
     def layer(self, index: int) -> nn.Module:
         return self.layers[str(index)]

@@ -14,6 +14,7 @@ from typing import Any, Literal
 from omegaconf import DictConfig
 
 from lightning_oobleck.config import load_config, structured
+from lightning_oobleck.planning.reroute import RECOVERY_POLICIES
 from lightning_oobleck.planning.schedules import SCHEDULE_NAMES
 from lightning_oobleck.recovery.admission import JoinPolicy
 
@@ -97,6 +98,15 @@ class OobleckConfig:
     replace_failed_after_s: float | None = None
     """Local launcher: start a replacement for a dead worker's node this long after its death (it joins the
     running training); ``None``: never."""
+    recovery_policy: str = "reinstantiate"
+    """How training goes on after nodes fail: ``reinstantiate`` (Oobleck: pipelines rebuilt from the
+    templates, the layers a worker newly holds copied to it), ``reroute`` (ReCycle: the damaged pipelines keep
+    their surviving stages and the lost stages' micro-batches run on other pipelines' replicas; nothing is
+    copied, the steps are slower; re-instantiation where a layer has no live replica) or ``auto`` (per
+    failure, whichever the cost model predicts trains more samples within ``failure_interval_s``)."""
+    failure_interval_s: float = 3600.0
+    """The expected time from one failure to the next, the horizon over which ``recovery_policy="auto"``
+    weighs a faster step against the copy it costs."""
 
     def validate(self) -> None:
         """Raise a :class:`ValueError` naming the bad key and the fix."""
@@ -157,6 +167,12 @@ class OobleckConfig:
             raise ValueError(
                 f"join_policy must be one of {', '.join(JOIN_POLICIES)}, got {self.join_policy!r}"
             )
+        if self.recovery_policy not in RECOVERY_POLICIES:
+            raise ValueError(
+                f"recovery_policy must be one of {', '.join(RECOVERY_POLICIES)}, got {self.recovery_policy!r}"
+            )
+        if self.failure_interval_s <= 0:
+            raise ValueError(f"failure_interval_s must be positive, got {self.failure_interval_s}")
         if self.replace_failed_after_s is not None and self.replace_failed_after_s < 0:
             raise ValueError(
                 f"replace_failed_after_s must be >= 0 (or None), got {self.replace_failed_after_s}"

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import os
 import sys
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -49,7 +49,7 @@ class GlobalBatchSampler(Sampler[list[int]]):
         global_batch_size: int,
         seed: int = 0,
         shuffle: bool = True,
-        share: range | None = None,
+        share: range | Sequence[range] | None = None,
         layout: int = 0,
     ) -> None:
         if global_batch_size < 1 or num_samples < global_batch_size:
@@ -61,8 +61,7 @@ class GlobalBatchSampler(Sampler[list[int]]):
         self.global_batch_size = global_batch_size
         self.seed = seed
         self.shuffle = shuffle
-        self.share = range(global_batch_size) if share is None else share
-        self._check_share(self.share)
+        self.share = self._checked_share(range(global_batch_size) if share is None else share)
         self.layout = layout
         """The layout (the plan's generation) :attr:`share` belongs to."""
         self.position = DataPosition()
@@ -82,7 +81,8 @@ class GlobalBatchSampler(Sampler[list[int]]):
 
     def indices(self, epoch: int, step: int) -> list[int]:
         """This rank's share of global batch ``step`` of ``epoch`` under the current layout."""
-        return self.global_batch(epoch, step)[self.share.start : self.share.stop]
+        batch = self.global_batch(epoch, step)
+        return [i for part in self.share for i in batch[part.start : part.stop]]
 
     def is_stale(self, epoch: int, step: int) -> bool:
         """Whether the batch handed out for ``(epoch, step)`` was cut for another layout than the current."""
@@ -98,11 +98,11 @@ class GlobalBatchSampler(Sampler[list[int]]):
         if epoch != self.position.epoch:
             self.position = DataPosition(epoch, 0)
 
-    def set_share(self, share: range, layout: int) -> None:
+    def set_share(self, share: range | Sequence[range], layout: int) -> None:
         """Take the sample offsets ``share`` of every global batch from now on: the share of this rank's
-        pipeline under the plan of generation ``layout`` (after a plan change)."""
-        self._check_share(share)
-        self.share = share
+        pipeline under the plan of generation ``layout`` (after a plan change), and on a rerouted plan the
+        shares of the micro-batches rerouted to it (``PipelineEngine.samples``)."""
+        self.share = self._checked_share(share)
         self.layout = layout
 
     def advance(self, epoch: int, completed_steps: int) -> None:
@@ -139,9 +139,12 @@ class GlobalBatchSampler(Sampler[list[int]]):
             self._permutation = (epoch, order)
         return self._permutation[1]
 
-    def _check_share(self, share: range) -> None:
-        if share.step != 1 or not 0 <= share.start < share.stop <= self.global_batch_size:
-            raise ValueError(f"share {share} is not a slice of a global batch of {self.global_batch_size}")
+    def _checked_share(self, share: range | Sequence[range]) -> tuple[range, ...]:
+        parts = (share,) if isinstance(share, range) else tuple(share)
+        for part in parts:
+            if part.step != 1 or not 0 <= part.start < part.stop <= self.global_batch_size:
+                raise ValueError(f"share {part} is not a slice of a global batch of {self.global_batch_size}")
+        return parts
 
 
 class PipelineDataLoader(DataLoader):

@@ -123,7 +123,8 @@ class OobleckStrategy(ParallelStrategy, PipelineExecutor):
       ``activation_checkpointing``, ``profile_path``, ``profile_cache_dir``, ``plan_path``, ``layout`` and
       ``microbatches`` (your own stages, still recovered from the planner's templates);
     * failures: ``heartbeat_timeout_s`` < ``collective_timeout_s`` <= ``hang_timeout_s``, ``plan_timeout_s``,
-      ``join_policy``, ``replace_failed_after_s``;
+      ``join_policy``, ``replace_failed_after_s``, ``recovery_policy`` (``"reinstantiate"``, ``"reroute"``
+      or ``"auto"``) and ``failure_interval_s``;
     * the rest: ``seed`` (sample order), ``backend``, ``start_method`` (local launcher).
     """
 
@@ -154,6 +155,8 @@ class OobleckStrategy(ParallelStrategy, PipelineExecutor):
         tensor_parallel: int | Literal["auto"] = 1,
         join_policy: Literal["at_once", "whole_template", "hot_standby"] = "at_once",
         replace_failed_after_s: float | None = None,
+        recovery_policy: Literal["reinstantiate", "reroute", "auto"] = "reinstantiate",
+        failure_interval_s: float = 3600.0,
         accelerator: Any = None,
         parallel_devices: list[torch.device] | None = None,
         cluster_environment: OobleckEnvironment | None = None,
@@ -638,13 +641,14 @@ class OobleckStrategy(ParallelStrategy, PipelineExecutor):
             ) from e
         groups = self._require_groups()
         pipeline = groups.plan.role(*groups.worker).pipeline
+        share = self._engine.samples if self._engine is not None else groups.plan.samples(pipeline)
         sampler = GlobalBatchSampler(
             num_samples,
             self.config.global_batch_size,
             seed=self.config.seed,
             # Lightning asks for shuffling exactly as it would with DDP (training loaders by default).
             shuffle=_shuffles(dataloader),
-            share=groups.plan.samples(pipeline),
+            share=share,
         )
         return wrap_dataloader(dataloader, sampler)
 

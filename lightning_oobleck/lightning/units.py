@@ -159,6 +159,8 @@ class LightningLoop:
             checkpoint_dir=Path(trainer.default_root_dir) / "oobleck-survivors",
             join_policy=JoinPolicy(config.join_policy),
             admission=admission,
+            recovery_policy=config.recovery_policy,
+            failure_interval_s=config.failure_interval_s,
         )
         # The log directory is agreed by a broadcast: a unit, recovered like the others.
         root = Path(trainer.log_dir or trainer.default_root_dir)
@@ -432,9 +434,8 @@ class LightningLoop:
         environment.set_world_size(groups.world_size)
         rank_zero_only.rank = groups.rank
         plan = groups.plan
-        share = plan.samples(plan.role(*groups.worker).pipeline)
         for loader in _pipeline_loaders(self.trainer):
-            loader.batch_sampler.set_share(share, groups.generation)
+            loader.batch_sampler.set_share(runner.engine.samples, groups.generation)
         if groups.rank == 0 and not was_rank_zero:
             continue_logger_runs(self.trainer)
             continue_progress_bar(self.trainer)
@@ -444,6 +445,8 @@ class LightningLoop:
                     if step.step > last:
                         self.events.step(*step)
         pipelines = counted(len(plan.pipelines), "pipeline")
+        if plan.reroutes:
+            pipelines += f" ({counted(len(plan.reroutes), 'lost stage')} rerouted to replicas)"
         layout = f"{pipelines} on {len(plan.nodes)} nodes, f={plan.fault_tolerance}"
         if plan.tensor_parallel > 1:
             layout += f", each stage on {plan.tensor_parallel} devices"
@@ -458,6 +461,8 @@ class LightningLoop:
                 f"[{event.cause}]; training goes on: {layout}, recovered in "
                 f"{event.durations().get('total', 0.0):.2f} s{copied}"
             )
+        if event.recovery_policy is not None:
+            rank_zero_info(f"oobleck: recovered by {event.recovery_policy}: {'; '.join(event.candidates)}")
         for warning in event.warnings:  # a line of the run's story, like the one above (no source path)
             rank_zero_info(f"oobleck: warning: {warning}")
         if joined := sorted({node for node, _ in event.added}):

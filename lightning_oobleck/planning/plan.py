@@ -206,6 +206,18 @@ class LayerCopy:
 
 
 @dataclass(frozen=True)
+class Reroute:
+    """ReCycle's rerouting of one lost stage: stage ``stage`` of pipeline ``pipeline`` ran on a node that is
+    gone; the pipeline keeps its other stages, and the lost stage's layers run, for its micro-batches, on the
+    workers of the pipelines ``helpers`` that hold them (micro-batch ``k`` of the pipeline on
+    ``helpers[k % len(helpers)]``), at layer granularity (:mod:`lightning_oobleck.planning.reroute`)."""
+
+    pipeline: int
+    stage: int
+    helpers: tuple[int, ...]
+
+
+@dataclass(frozen=True)
 class Plan:
     """A full training layout for one cluster membership."""
 
@@ -228,6 +240,11 @@ class Plan:
     every worker holding any of them (:meth:`tie_owners`)."""
     schedule: str = "1f1b"
     """The pipeline schedule every pipeline runs (:data:`~lightning_oobleck.planning.schedules.SCHEDULES`)."""
+    lost: tuple[int, ...] = ()
+    """Nodes of :attr:`pipelines` that are gone, their stages rerouted (:attr:`reroutes`): a rerouted plan
+    keeps the pipelines as they were and names what they lost."""
+    reroutes: tuple[Reroute, ...] = ()
+    """Where the lost stages' layers run (:class:`Reroute`), one per lost stage."""
 
     def __post_init__(self) -> None:
         if len({t.tensor_parallel for t in self.templates}) > 1:
@@ -248,8 +265,8 @@ class Plan:
 
     @property
     def nodes(self) -> tuple[int, ...]:
-        """All cluster node ids this plan uses, sorted."""
-        return tuple(sorted(n for p in self.pipelines for n in p.nodes))
+        """All live cluster node ids this plan uses, sorted (not a rerouted plan's :attr:`lost` nodes)."""
+        return tuple(sorted(n for p in self.pipelines for n in p.nodes if n not in self.lost))
 
     @property
     def workers(self) -> tuple[Worker, ...]:
@@ -282,7 +299,10 @@ class Plan:
         """The workers holding a replica of ``layer``, one per pipeline, in pipeline order: at tensor
         parallelism ``t > 1``, those holding its ``tensor_rank``-th shard (the same in every pipeline)."""
         return tuple(
-            p.workers_of_stage(si)[tensor_rank] for p in self.pipelines for si in self._stages_of(p, layer)
+            w
+            for p in self.pipelines
+            for si in self._stages_of(p, layer)
+            if (w := p.workers_of_stage(si)[tensor_rank]).node not in self.lost
         )
 
     def tie_owners(self, layers: Sequence[int], tensor_rank: int = 0) -> tuple[Worker, ...]:
@@ -331,6 +351,17 @@ class Plan:
             "tensor_parallel": self.tensor_parallel,
             **({"tied_layers": [list(t) for t in self.tied_layers]} if self.tied_layers else {}),
             **({"extra": self.extra} if self.extra else {}),
+            **(
+                {
+                    "lost": list(self.lost),
+                    "reroutes": [
+                        {"pipeline": r.pipeline, "stage": r.stage, "helpers": list(r.helpers)}
+                        for r in self.reroutes
+                    ],
+                }
+                if self.lost
+                else {}
+            ),
         }
 
     @classmethod
@@ -361,6 +392,11 @@ class Plan:
             extra=dict(d.get("extra", {})),
             tied_layers=tuple(tuple(int(i) for i in t) for t in d.get("tied_layers", ())),
             schedule=str(d.get("schedule", "1f1b")),
+            lost=tuple(int(n) for n in d.get("lost", ())),
+            reroutes=tuple(
+                Reroute(int(r["pipeline"]), int(r["stage"]), tuple(int(h) for h in r["helpers"]))
+                for r in d.get("reroutes", ())
+            ),
         )
 
     def to_json(self) -> str:

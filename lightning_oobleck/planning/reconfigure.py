@@ -223,6 +223,24 @@ def _finish(
     return Reconfiguration(new_plan, _copies(plan, new_plan, layout.held))
 
 
+def copy_time_s(copies: Iterable[LayerCopy], inputs: PlannerInputs, link_share: float = 1.0) -> float:
+    """The state copy of a reconfiguration: each node sends its share of its layers' parameters and
+    optimizer state (a layer is striped over the replicas that send it) and receives what it newly holds,
+    over its inter-node link at ``link_share`` of its bandwidth; the busiest node's time."""
+    cost = inputs.cost()
+    layer_bytes = [la.parameter_bytes * cost.state_factor for la in inputs.profile.layers]
+    sent: dict[int, float] = {}
+    received: dict[int, float] = {}
+    for c in copies:
+        remote = [w.node for w in c.sources if w.node != c.to_node]
+        for node in remote:
+            sent[node] = sent.get(node, 0.0) + layer_bytes[c.layer] / len(c.sources)
+        if remote:
+            received[c.to_node] = received.get(c.to_node, 0.0) + layer_bytes[c.layer]
+    busiest = max([*sent.values(), *received.values()], default=0.0)
+    return busiest / (inputs.cluster.inter_node_bandwidth * link_share)
+
+
 def _planner_inputs(plan: Plan) -> PlannerInputs:
     """The inputs the plan was made from; a plan without them (a hand-written layout) cannot be re-planned."""
     try:

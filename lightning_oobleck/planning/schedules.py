@@ -30,6 +30,7 @@ wait for the stages before it: with ``F = I = W`` its bubble is ``(S - 1)`` time
 from __future__ import annotations
 
 import itertools
+import math
 from collections import defaultdict
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
@@ -69,7 +70,9 @@ class Action:
 
     ``microbatch``: the global micro-batch index (compute and transfers). ``layers``: the layers a compute
     action runs, or a bucket's layers. ``peer``: the other worker of a transfer. ``bucket``: the index of
-    a gradient bucket in the worker's issue order (``REDUCE``).
+    a gradient bucket in the worker's issue order (``REDUCE``). ``channel``: the stream of a transfer
+    (micro-batches of different routes between the same two workers travel on their own channels, each in
+    its own order; :func:`merge`).
     """
 
     op: Op
@@ -78,6 +81,7 @@ class Action:
     peer: Worker | None = None
     payload: Payload | None = None
     bucket: int = -1
+    channel: int = 0
 
     def __str__(self) -> str:
         if self.op in COMPUTE:
@@ -86,7 +90,9 @@ class Action:
             return f"REDUCE(bucket {self.bucket}, layers {list(self.layers)})"
         assert self.payload is not None
         arrow = "to" if self.op is Op.SEND else "from"
-        return f"{self.op.value}({self.payload.value} of micro-batch {self.microbatch} {arrow} {self.peer})"
+        on = f" on channel {self.channel}" if self.channel else ""
+        what = f"{self.payload.value} of micro-batch {self.microbatch}"
+        return f"{self.op.value}({what} {arrow} {self.peer}{on})"
 
 
 PhaseTimes = tuple[float, float, float]
@@ -163,12 +169,13 @@ def pipeline_actions(
     schedule: str,
     buckets: Mapping[Worker, Sequence[tuple[int, ...]]] | None = None,
     train: bool = True,
+    channel: int = 0,
 ) -> Schedule:
     """The action lists of one pipeline's workers for one step.
 
     ``buckets[worker]``: the layers of each of its gradient buckets, in issue order (default: one bucket
     of all its layers); their ``REDUCE`` follow the stage's last gradient action. Without ``train``, every
-    stage only forwards (evaluation).
+    stage only forwards (evaluation). ``channel``: the channel of every transfer.
     """
     generator = SCHEDULES[check_schedule_name(schedule)]
     num_stages, m = len(spec.workers), len(spec.microbatches)
@@ -182,14 +189,14 @@ def pipeline_actions(
         for op, i in order:
             mb = spec.microbatches[i]
             if op is Op.F and prev is not None:
-                actions.append(Action(Op.RECV, mb, peer=prev, payload=Payload.ACTIVATION))
+                actions.append(Action(Op.RECV, mb, peer=prev, payload=Payload.ACTIVATION, channel=channel))
             if op in (Op.I, Op.B) and nxt is not None:
-                actions.append(Action(Op.RECV, mb, peer=nxt, payload=Payload.GRADIENT))
+                actions.append(Action(Op.RECV, mb, peer=nxt, payload=Payload.GRADIENT, channel=channel))
             actions.append(Action(op, mb, layers))
             if op is Op.F and nxt is not None:
-                actions.append(Action(Op.SEND, mb, peer=nxt, payload=Payload.ACTIVATION))
+                actions.append(Action(Op.SEND, mb, peer=nxt, payload=Payload.ACTIVATION, channel=channel))
             if op in (Op.I, Op.B) and prev is not None:
-                actions.append(Action(Op.SEND, mb, peer=prev, payload=Payload.GRADIENT))
+                actions.append(Action(Op.SEND, mb, peer=prev, payload=Payload.GRADIENT, channel=channel))
         if train:
             for b, bucket_layers in enumerate((buckets or {}).get(worker, [layers])):
                 actions.append(Action(Op.REDUCE, layers=tuple(bucket_layers), bucket=b))
@@ -276,20 +283,22 @@ def _check_worker(
 
 def _posted_order(
     worker: Worker, actions: Sequence[Action]
-) -> dict[Worker, list[tuple[float, Op, Payload, int]]]:
-    """The transfers ``worker`` posts to each peer, in posting order (the executor's rule, see the module)."""
-    by_peer: dict[Worker, list[tuple[float, Op, Payload, int]]] = defaultdict(list)
-    last_activation: dict[Worker, int] = {}
+) -> dict[tuple[Worker, int], list[tuple[float, Op, Payload, int]]]:
+    """The transfers ``worker`` posts to each peer on each channel, in posting order (the executor's rule,
+    see the module)."""
+    by_peer: dict[tuple[Worker, int], list[tuple[float, Op, Payload, int]]] = defaultdict(list)
+    last_activation: dict[tuple[Worker, int], int] = {}
     for index, a in enumerate(actions):
         if a.op not in (Op.SEND, Op.RECV):
             continue
         assert a.peer is not None and a.payload is not None
         at: float = index
+        stream = (a.peer, a.channel)
         if a.op is Op.RECV and a.payload is Payload.ACTIVATION:
-            at = last_activation.get(a.peer, -1) + 0.5  # posted once the one before it has arrived
-            last_activation[a.peer] = index
-        by_peer[a.peer].append((at, a.op, a.payload, a.microbatch))
-    return {peer: sorted(posted, key=lambda p: p[0]) for peer, posted in by_peer.items()}
+            at = last_activation.get(stream, -1) + 0.5  # posted once the one before it has arrived
+            last_activation[stream] = index
+        by_peer[stream].append((at, a.op, a.payload, a.microbatch))
+    return {stream: sorted(posted, key=lambda p: p[0]) for stream, posted in by_peer.items()}
 
 
 def validate(
@@ -300,10 +309,10 @@ def validate(
     """Raise :class:`ScheduleError`, naming the action, unless every list of ``schedule`` can run.
 
     Checks: each send has its receive on the peer and the two sides of each pair post their transfers
-    in the same order; every micro-batch's actions come after what they depend on; every gradient
-    bucket is reduced once, after the last action adding to its gradients (``buckets[worker]``: how
-    many the worker has); no worker holds more than ``in_flight[worker]`` micro-batches' activations;
-    and the lists, run together, finish (:func:`simulate` with no durations).
+    in the same order (on each channel); every micro-batch's actions come after what they depend on;
+    every gradient bucket is reduced once, after the last action adding to its gradients
+    (``buckets[worker]``: how many the worker has); no worker holds more than ``in_flight[worker]``
+    micro-batches' activations; and the lists, run together, finish (:func:`simulate` with no durations).
     """
     for worker, actions in schedule.items():
         _check_worker(
@@ -315,24 +324,24 @@ def validate(
     posted = {worker: _posted_order(worker, actions) for worker, actions in schedule.items()}
     flip = {Op.SEND: Op.RECV, Op.RECV: Op.SEND}
     for worker, peers in posted.items():
-        for peer, mine in peers.items():
-            theirs = posted.get(peer, {}).get(worker, [])
+        for (peer, channel), mine in peers.items():
+            theirs = posted.get(peer, {}).get((worker, channel), [])
             for k, (_, op, payload, mb) in enumerate(mine):
-                action = Action(op, mb, peer=peer, payload=payload)
+                action = Action(op, mb, peer=peer, payload=payload, channel=channel)
                 if k >= len(theirs):
                     raise ScheduleError(
                         f"worker {worker}: {action} has no matching {flip[op].value} on {peer}"
                     )
                 _, their_op, their_payload, their_mb = theirs[k]
                 if (their_op, their_payload, their_mb) != (flip[op], payload, mb):
-                    other = Action(their_op, their_mb, peer=worker, payload=their_payload)
+                    other = Action(their_op, their_mb, peer=worker, payload=their_payload, channel=channel)
                     raise ScheduleError(
                         f"worker {worker}: {action} is its transfer number {k} with {peer}, where {peer} "
                         f"posts {other}: the two sides of a pair must post their transfers in the same order"
                     )
             if len(theirs) > len(mine):
                 _, op, payload, mb = theirs[len(mine)]
-                action = Action(op, mb, peer=worker, payload=payload)
+                action = Action(op, mb, peer=worker, payload=payload, channel=channel)
                 raise ScheduleError(f"worker {peer}: {action} has no matching {flip[op].value} on {worker}")
     simulate(schedule)
 
@@ -392,6 +401,97 @@ def simulate(
         waits = "; ".join(f"worker {w} at action {position[w]} {a}" for w, a in blocked.items())
         raise ScheduleError(f"the action lists deadlock: {waits}")
     return timings
+
+
+_PRIORITY = {Op.I: 0, Op.B: 0, Op.F: 1, Op.W: 2}
+"""What a worker of :func:`merge` takes first among actions that can start at once: an input gradient (the
+stage before it waits for it), then a forward, then a weight gradient (it fills what would be a bubble)."""
+
+
+def merge(
+    parts: Sequence[Mapping[Worker, Sequence[Action]]],
+    buckets: Mapping[Worker, Sequence[tuple[int, ...]]] | None = None,
+    duration: Callable[[Worker, Action], float] | None = None,
+    transfer: Callable[[Worker, Worker, Action], float] | None = None,
+) -> Schedule:
+    """One list per worker from several schedules that share workers (the routes of a rerouted step, each on
+    its own channel), each part's lists keeping their order; then each worker's ``REDUCE`` of ``buckets``.
+
+    The interleaving is an event simulation of the parts together (:func:`simulate`'s rules): a compute
+    action moves with the receives before it and the sends after it, and whenever a worker is free it takes
+    the action that can start first, on a tie by :data:`_PRIORITY`, then by part (a pipeline's own work
+    before work rerouted to it). Actions are taken in the order of their start times, so every receive in
+    the result is taken after its send was made: the lists finish whatever the real durations (a deadlock
+    would need a receive waiting for a send that comes later in this order). Work rerouted to a worker thus
+    lands where its own lists would wait: in their bubbles.
+    """
+    units: dict[Worker, list[list[list[Action]]]] = defaultdict(list)
+    for part in parts:
+        for worker, actions in part.items():
+            chunks: list[list[Action]] = []
+            pending: list[Action] = []
+            for a in actions:
+                if a.op is Op.REDUCE:
+                    continue
+                if a.op is Op.SEND and chunks:
+                    chunks[-1].append(a)
+                    continue
+                pending.append(a)
+                if a.op in COMPUTE:
+                    chunks.append(pending)
+                    pending = []
+            if pending:
+                raise ScheduleError(f"worker {worker}: {pending[0]} is not followed by a compute action")
+            units[worker].append(chunks)
+    position = {w: [0] * len(ps) for w, ps in units.items()}
+    clock = dict.fromkeys(units, 0.0)
+    arrivals: dict[tuple[Worker, Worker, Payload, int], float] = {}
+    out: Schedule = {w: [] for w in units}
+    while True:
+        best: tuple[float, int, int, Worker] | None = None
+        for worker, chunks in units.items():
+            for k, chunk_list in enumerate(chunks):
+                if position[worker][k] >= len(chunk_list):
+                    continue
+                unit = chunk_list[position[worker][k]]
+                start = clock[worker]
+                for a in unit:
+                    if a.op is not Op.RECV:
+                        continue
+                    key = (a.peer, worker, a.payload, a.microbatch)
+                    if key not in arrivals:
+                        start = math.inf
+                        break
+                    start = max(start, arrivals[key])  # type: ignore[index]
+                if start == math.inf:
+                    continue
+                compute = next(a for a in unit if a.op in COMPUTE)
+                candidate = (start, _PRIORITY[compute.op], k, worker)
+                if best is None or candidate[:3] < best[:3]:
+                    best = candidate
+        if best is None:
+            break
+        start, _, k, worker = best
+        unit = units[worker][k][position[worker][k]]
+        position[worker][k] += 1
+        compute = next(a for a in unit if a.op in COMPUTE)
+        end = start + (duration(worker, compute) if duration is not None else 0.0)
+        for a in unit:
+            if a.op is Op.SEND:
+                assert a.peer is not None and a.payload is not None
+                delay = transfer(worker, a.peer, a) if transfer is not None else 0.0
+                arrivals[(worker, a.peer, a.payload, a.microbatch)] = end + delay
+        clock[worker] = end
+        out[worker] += unit
+    stuck = [(w, k) for w, ps in position.items() for k, at in enumerate(ps) if at < len(units[w][k])]
+    if stuck:
+        worker, k = stuck[0]
+        waits = units[worker][k][position[worker][k]][0]
+        raise ScheduleError(f"the parts deadlock: worker {worker} waits at {waits}")
+    for worker, layer_sets in (buckets or {}).items():
+        out.setdefault(worker, [])
+        out[worker] += [Action(Op.REDUCE, layers=tuple(ls), bucket=b) for b, ls in enumerate(layer_sets)]
+    return out
 
 
 def iteration_time_s(timings: Mapping[Worker, Sequence[Timing]]) -> float:

@@ -71,6 +71,10 @@ class RecoveryEvent:
     """The new plan's pipeline schedule."""
     predicted_step_s: float | None = None
     """The new plan's predicted step (the cost model's), against which the measured steps can be read."""
+    recovery_policy: str | None = None
+    """How the failure was recovered from, where a policy chose (``reinstantiate`` or ``reroute``)."""
+    candidates: list[str] = field(default_factory=list)
+    """The ways weighed, each with its predicted step, copy and samples before the next failure."""
 
     @classmethod
     def from_membership(cls, membership: Membership) -> RecoveryEvent:

@@ -26,6 +26,7 @@ from lightning_oobleck.execution.process_groups import ProcessGroups
 from lightning_oobleck.execution.stage import StageModule
 from lightning_oobleck.planning.plan import Plan
 from lightning_oobleck.planning.reconfigure import Reconfiguration, ReconfigurationError, reconfigure
+from lightning_oobleck.planning.reroute import choose_recovery
 from lightning_oobleck.recovery.errors import UnrecoverableFailure
 from lightning_oobleck.recovery.events import RecoveryEvent
 from lightning_oobleck.recovery.protocol import Membership
@@ -53,14 +54,43 @@ class CopiedLayout:
     state: dict[str, dict[str, Any]]
 
 
+@dataclass(frozen=True)
+class RecoveryPolicy:
+    """How failures are recovered from (:func:`~lightning_oobleck.planning.reroute.choose_recovery`)."""
+
+    policy: str = "reinstantiate"
+    failure_interval_s: float = 3600.0
+    message_tags: bool = True
+    """Whether the backend keeps tagged streams apart (gloo does, NCCL does not)."""
+
+
 def next_plan(
-    plan: Plan, membership: Membership, joined: Sequence[int], lengthen: bool = True
+    plan: Plan,
+    membership: Membership,
+    joined: Sequence[int],
+    lengthen: bool = True,
+    recovery: RecoveryPolicy = RecoveryPolicy(),
+    event: RecoveryEvent | None = None,
 ) -> Reconfiguration | ReconfigurationError:
     """The plan for ``membership`` from the layout ``plan`` the members hold (the nodes gone failed; the
     nodes ``joined`` join; ``lengthen``: they may lengthen running pipelines), or why there is none: the
-    same on every worker, joiners included."""
+    same on every worker, joiners included. Failures alone are recovered from as ``recovery`` says (the
+    choice and its candidates go into ``event``); joiners always re-instantiate (a rerouted pipeline takes
+    its micro-batches back)."""
     try:
         failed = set(plan.nodes) - set(membership.nodes)
+        if failed and not joined and recovery.policy != "reinstantiate":
+            choice = choose_recovery(
+                plan,
+                failed,
+                recovery.policy,
+                recovery.failure_interval_s,
+                message_tags=recovery.message_tags,
+            )
+            if event is not None:
+                event.recovery_policy = choice.policy
+                event.candidates = [str(c) for c in choice.candidates]
+            return choice.reconfiguration
         return reconfigure(plan, failed=failed, joined=joined, lengthen=lengthen)
     except ReconfigurationError as e:
         return e

@@ -69,6 +69,7 @@ from lightning_oobleck.recovery.survivors import checkpoint_and_stop
 from lightning_oobleck.recovery.switch import (
     CopiedLayout,
     PendingSwitch,
+    RecoveryPolicy,
     adopt_copied_layout,
     check_group_count,
     install,
@@ -141,6 +142,8 @@ class UnitRunner:
         events: EventLog | None = None,
         join_policy: JoinPolicy = JoinPolicy.AT_ONCE,
         admission: Admission | None = None,
+        recovery_policy: str = "reinstantiate",
+        failure_interval_s: float = 3600.0,
     ) -> None:
         if engine.abort is not agent.abort:
             raise ValueError(
@@ -175,6 +178,7 @@ class UnitRunner:
         self._pending_groups: ProcessGroups | None = None
         self._finishing = False
         self.join_policy = JoinPolicy(join_policy)
+        self.recovery = RecoveryPolicy(recovery_policy, failure_interval_s, message_tags=backend != "nccl")
         self._admit_nodes = 0
         """Whole nodes the last step's commit says to admit at the next step boundary."""
         self._in_step = False
@@ -331,7 +335,7 @@ class UnitRunner:
                 hand_over(
                     self.store, membership, self.plan, lengthen, self.progress, self.optimizer, loop_state
                 )
-            plan = next_plan(self.plan, membership, joined, self.join_policy.lengthens)
+            plan = next_plan(self.plan, membership, joined, self.join_policy.lengthens, self.recovery, event)
             event.mark("replanned")
             self._switch = PendingSwitch(membership, event, plan)
             outcome = settle(self.progress.done, newest)

@@ -22,6 +22,13 @@ policies charge, on the same trace:
     once, or the coordinator before its standby runs, a restart from the last checkpoint.
     :attr:`PolicyResult.coordinator_failures` counts the failures that hit the coordinator's machine,
     :attr:`PolicyResult.coordinator_restarts` those that cost a restart.
+``oobleck-reroute``, ``oobleck-auto``
+    ``oobleck`` with ``recovery_policy="reroute"`` or ``"auto"``
+    (:func:`~lightning_oobleck.planning.reroute.choose_recovery`): a failure reroutes the damaged pipelines'
+    lost stages to other pipelines' replicas (no copy, the rerouted plan's slower step; re-instantiation
+    where a layer has no live replica left), or, under ``auto``, does whichever trains more samples before
+    the next failure, expected after the trace's mean time between failures. Nodes that come back join as
+    under ``oobleck`` (a re-instantiation, the rerouted pipelines whole again).
 ``checkpoint-restart``
     A checkpoint every ``checkpoint_interval_s`` of training (Young/Daly's ``sqrt(2 C MTBF)`` by default,
     ``C`` the write time and MTBF the trace's), blocking for the write. A loss of a running node loses the
@@ -45,19 +52,26 @@ from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Literal
 
-from lightning_oobleck.planning.plan import LayerCopy, Plan
+from lightning_oobleck.planning.plan import Plan
 from lightning_oobleck.planning.planner import PlannerInputs, PlanningError
 from lightning_oobleck.planning.reconfigure import (
     Reconfiguration,
     ReconfigurationError,
-    after_failures,
     after_joins,
+    copy_time_s,
 )
+from lightning_oobleck.planning.reroute import choose_recovery
 from lightning_oobleck.planning.templates import InfeasibleTemplateError
 from lightning_oobleck.simulation.trace import NodeEvent, Trace
 
-PolicyName = Literal["oobleck", "checkpoint-restart", "replica-groups"]
-POLICIES: tuple[PolicyName, ...] = ("oobleck", "checkpoint-restart", "replica-groups")
+PolicyName = Literal["oobleck", "oobleck-reroute", "oobleck-auto", "checkpoint-restart", "replica-groups"]
+POLICIES: tuple[PolicyName, ...] = (
+    "oobleck",
+    "oobleck-reroute",
+    "oobleck-auto",
+    "checkpoint-restart",
+    "replica-groups",
+)
 OnEvent = Callable[[], None] | None
 
 
@@ -214,24 +228,6 @@ class _Clock:
         """Steps since the last mark are lost (a restart from a checkpoint)."""
         self.result.lost_s += self.pending_s
         self.pending, self.pending_s = 0, 0.0
-
-
-def copy_time_s(copies: Iterable[LayerCopy], inputs: PlannerInputs, link_share: float = 1.0) -> float:
-    """The state copy of a reconfiguration: each node sends its share of its layers' parameters and
-    optimizer state (a layer is striped over the replicas that send it) and receives what it newly holds,
-    over its inter-node link at ``link_share`` of its bandwidth; the busiest node's time."""
-    cost = inputs.cost()
-    layer_bytes = [la.parameter_bytes * cost.state_factor for la in inputs.profile.layers]
-    sent: dict[int, float] = {}
-    received: dict[int, float] = {}
-    for c in copies:
-        remote = [w.node for w in c.sources if w.node != c.to_node]
-        for node in remote:
-            sent[node] = sent.get(node, 0.0) + layer_bytes[c.layer] / len(c.sources)
-        if remote:
-            received[c.to_node] = received.get(c.to_node, 0.0) + layer_bytes[c.layer]
-    busiest = max([*sent.values(), *received.values()], default=0.0)
-    return busiest / (inputs.cluster.inter_node_bandwidth * link_share)
 
 
 def state_bytes(inputs: PlannerInputs) -> float:
@@ -419,10 +415,18 @@ def _start(
 
 
 def simulate_oobleck(
-    plan: Plan, trace: Trace, costs: Costs = Costs(), on_event: OnEvent = None, rejoin: bool = True
+    plan: Plan,
+    trace: Trace,
+    costs: Costs = Costs(),
+    on_event: OnEvent = None,
+    rejoin: bool = True,
+    recovery: str = "reinstantiate",
 ) -> PolicyResult:
-    """In-place recovery and rejoin on the real planner (see the module's docstring)."""
-    inputs, result, clock, restarts, machines = _start("oobleck", plan, trace, costs, oobleck=True)
+    """In-place recovery and rejoin on the real planner (see the module's docstring); ``recovery``: the
+    strategy's ``recovery_policy``."""
+    name: PolicyName = "oobleck" if recovery == "reinstantiate" else f"oobleck-{recovery}"  # type: ignore[assignment]
+    inputs, result, clock, restarts, machines = _start(name, plan, trace, costs, oobleck=True)
+    between_failures_s = trace.horizon_s / max(trace.failures, 1)
     machines.standby_ready_s = costs.standby_start_s
     current: Plan | None = plan
     waiting: list[int] = []  # machines back, not yet admitted
@@ -461,7 +465,10 @@ def simulate_oobleck(
             restarts.train_until(t, interrupted=True)
             started = time.perf_counter()
             try:
-                current = switch(after_failures(current, lost), started, pause_s)
+                choice = choose_recovery(
+                    current, lost, recovery, between_failures_s, costs.state_copy_link_share
+                )
+                current = switch(choice.reconfiguration, started, pause_s)
             except ReconfigurationError:
                 result.events += 1
                 current = machines.relaunch(restarts, t, interrupted=False)  # the step is already lost
@@ -585,6 +592,8 @@ def _group_state_s(plan: Plan, group: int, inputs: PlannerInputs, link_share: fl
 
 SIMULATORS: dict[PolicyName, Callable[[Plan, Trace, Costs, OnEvent], PolicyResult]] = {
     "oobleck": simulate_oobleck,
+    "oobleck-reroute": functools.partial(simulate_oobleck, recovery="reroute"),
+    "oobleck-auto": functools.partial(simulate_oobleck, recovery="auto"),
     "checkpoint-restart": simulate_checkpoint_restart,
     "replica-groups": simulate_replica_groups,
 }

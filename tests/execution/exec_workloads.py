@@ -58,6 +58,11 @@ def reference_run(steps: int, batch_size: int) -> dict[str, Any]:
     return {"losses": losses, "norms": norms, "eval": eval_loss, "params": dict(reference.named_parameters())}
 
 
+def share(batch: Tensor, engine: PipelineEngine) -> Tensor:
+    """The samples of a global batch that ``engine``'s worker takes (its pipeline's and rerouted ones)."""
+    return torch.cat([batch[r.start : r.stop] for r in engine.samples])
+
+
 def train_layout(
     store: dist.Store, state: dict[str, Any], plan: Plan, generation: int, steps: int, bucket_cap_bytes: int
 ) -> dict:
@@ -83,8 +88,8 @@ def train_layout(
             rows.clear()
             with SavedTensorMeter(exclude=engine.module.parameters()) as meter:
                 loss = engine.train_step(
-                    inputs[engine.batch_slice] if engine.is_first_stage else None,
-                    targets[engine.batch_slice] if engine.is_last_stage else None,
+                    share(inputs, engine) if engine.is_first_stage else None,
+                    share(targets, engine) if engine.is_last_stage else None,
                 )
             norm = engine.grad_norm_sq()
             dist.all_reduce(norm)
@@ -98,8 +103,8 @@ def train_layout(
             opt.zero_grad()
         inputs, targets = global_batch(steps, plan.global_batch_size)
         eval_loss = engine.eval_step(
-            inputs[engine.batch_slice] if engine.is_first_stage else None,
-            targets[engine.batch_slice] if engine.is_last_stage else None,
+            share(inputs, engine) if engine.is_first_stage else None,
+            share(targets, engine) if engine.is_last_stage else None,
         )
         counts = eval_loss is not None and groups.tensor_rank == 0
         total = eval_loss if counts else torch.zeros((), dtype=torch.float64)
@@ -182,8 +187,8 @@ def emulated_steps(
             dist.barrier()
             start = time.perf_counter()
             engine.train_step(
-                inputs[engine.batch_slice] if engine.is_first_stage else None,
-                inputs[engine.batch_slice] if engine.is_last_stage else None,
+                share(inputs, engine) if engine.is_first_stage else None,
+                share(inputs, engine) if engine.is_last_stage else None,
             )
             dist.barrier()
             if step > 0:

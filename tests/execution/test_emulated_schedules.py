@@ -3,7 +3,8 @@ each schedule matches the cost model's event simulation of its action lists, on 
 one of 8, and two heterogeneous pipelines of 3 and 5 stages with unequal micro-batches; and ZB-H1 beats
 1F1B by the simulated margin. The prediction starts from the profiler's measurement of the emulated layers,
 as the planner's would. Each time is the fastest of two steps and the bounds are wide (the machine is
-shared); ``benchmarks/schedules.py`` has the exact numbers."""
+shared); ``benchmarks/schedules.py`` has the exact numbers. And the per-failure choice between rerouting and
+re-instantiation picks the faster measured way (``benchmarks/failure_throughput.py`` has more cases)."""
 
 from __future__ import annotations
 
@@ -16,10 +17,13 @@ import torch
 from dist_harness import WorkerPool, indexed_pool, plan_from_splits
 
 from lightning_oobleck.execution import profile_layers
+from lightning_oobleck.planning import make_plan
 from lightning_oobleck.planning.cluster import ClusterSpec
 from lightning_oobleck.planning.cost import CostModel
 from lightning_oobleck.planning.plan import Plan
-from lightning_oobleck.planning.profile import ModelProfile
+from lightning_oobleck.planning.profile import LayerProfile, ModelProfile
+from lightning_oobleck.planning.reconfigure import after_failures
+from lightning_oobleck.planning.reroute import choose_recovery, reroute
 from lightning_oobleck.planning.schedules import SCHEDULE_NAMES
 from lightning_oobleck.testing import emulated_layers
 
@@ -79,3 +83,38 @@ def test_measured_iteration_times_match_the_event_simulation(pool: WorkerPool, p
         speedup = measured["zb-h1"] / measured["1f1b"]
         assert speedup == pytest.approx(simulated["zb-h1"] / simulated["1f1b"], abs=0.07), (name, measured)
         assert speedup < 0.95, name
+
+
+def recovery_case(nodes: int, per_device: int, batch: int) -> Plan:
+    """The planner's f = 1 plan of 6 emulated layers (F = I = W = 20 ms, ``per_device`` fit on a device)."""
+    layer = LayerProfile(0.02, 0.04, 1000, 100, 100, weight_grad_s=0.02)
+    cluster = ClusterSpec(num_nodes=nodes, gpus_per_node=1, device_memory_bytes=per_device * 20_000 / 3)
+    return make_plan(
+        ModelProfile((layer,) * 6, microbatch_size=1), cluster, fault_tolerance=1, global_batch_size=batch
+    )
+
+
+@pytest.mark.timeout(240)
+@pytest.mark.slow
+def test_auto_recovery_picks_the_faster_measured_way(pool: WorkerPool) -> None:
+    """Two plans, one node lost, the copy negligible (a long horizon): pipelines of 3 stages and 3
+    micro-batches, whose bubbles take the rerouted work (rerouting predicted 17% faster than the 5-stage
+    pipeline re-instantiation makes), and pipelines of 2 stages and 8 micro-batches, where the one helper
+    would run 16 micro-batches on a stage (re-instantiating predicted 26% faster). On emulated devices, the
+    way ``auto`` picks is the faster measured in each; so the choice goes both ways."""
+    picked = []
+    for generation, (plan, expected) in enumerate(
+        ((recovery_case(6, 2, 6), "reroute"), (recovery_case(4, 3, 16), "reinstantiate")), start=300
+    ):
+        failed = [plan.pipelines[0].nodes[0]]
+        choice = choose_recovery(plan, failed, "auto", horizon_s=1e6)
+        layouts = {"reinstantiate": after_failures(plan, failed).plan, "reroute": reroute(plan, failed)}
+        measured = {}
+        for k, (policy, layout) in enumerate(layouts.items()):
+            task = (wl.emulated_steps, (layout, 2 * generation + k, STEPS))
+            measured[policy] = min(
+                pool.run(dict.fromkeys(range(len(layout.workers)), task), timeout=120).values()
+            )
+        assert choice.policy == expected == min(measured, key=measured.__getitem__), (measured, choice)
+        picked.append(choice.policy)
+    assert picked == ["reroute", "reinstantiate"]

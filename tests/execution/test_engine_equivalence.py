@@ -1,5 +1,6 @@
 """Heterogeneous pipelines on real gloo processes train exactly like one process on the whole batch, with
-stages on one device each or split over the two devices of a node (tensor parallelism, DTensor over gloo)."""
+stages on one device each or split over the two devices of a node (tensor parallelism, DTensor over gloo),
+and so do rerouted steps after lost nodes (only the survivors run; ReCycle)."""
 
 from __future__ import annotations
 
@@ -16,6 +17,7 @@ from lightning_oobleck.execution import profile_layers
 from lightning_oobleck.execution.grad_sync import DEFAULT_BUCKET_CAP_BYTES
 from lightning_oobleck.planning.plan import Plan, WorkerRole
 from lightning_oobleck.planning.profile import ModelProfile
+from lightning_oobleck.planning.reroute import reroute
 from lightning_oobleck.planning.schedules import SCHEDULE_NAMES, in_flight_limit
 
 STEPS = 3
@@ -156,10 +158,64 @@ FAST_SPLIT_CASES = {("zb-h1", "pipelines of 1 and 2 nodes, recomputing")}
 def test_stages_over_two_devices_equal_single_process_training(
     pool: WorkerPool, reference: dict, schedule: str, name: str
 ) -> None:
-    generation = 300 + SPLIT_CASES.index((schedule, name))  # other tests use 0-7, 100, 101, 200
+    generation = 300 + SPLIT_CASES.index((schedule, name))  # other tests use 0-7, 100, 101, 200, 400-
     plan = dataclasses.replace(SPLIT_LAYOUTS[name], schedule=schedule)
     results = run_layout(pool, plan, generation, 4096 if generation % 2 else DEFAULT_BUCKET_CAP_BYTES)
     check_equal_to_reference(results, plan, reference, name)
+
+
+# ReCycle's rerouting: after nodes are lost, the damaged pipelines keep their surviving stages and the lost
+# stages' layers run, for their micro-batches, on other pipelines' replicas (planning/reroute.py)
+HOMOGENEOUS = plan_from_splits([[(0, 2), (2, 4), (4, 6)]] * 2, [3, 3], MICROBATCH)
+HETEROGENEOUS = plan_from_splits([[(0, 3), (3, 6)], [(0, 2), (2, 4), (4, 6)]], [2, 4], MICROBATCH)
+THREE = plan_from_splits(
+    [[(0, 2), (2, 4), (4, 6)], [(0, 3), (3, 6)], [(0, 1), (1, 3), (3, 6)]], [2, 2, 2], MICROBATCH
+)
+# nodes of 2 devices, each stage on both (tensor parallelism 2): a 1-node and a 2-node pipeline
+SPLIT = plan_from_splits([[(0, 6)], [(0, 2), (2, 6)]], [2, 4], MICROBATCH, gpus_per_node=2, tensor_parallel=2)
+REROUTED = {
+    "homogeneous, first stage lost": (HOMOGENEOUS, [0]),
+    "homogeneous, middle stage lost": (HOMOGENEOUS, [4]),
+    "homogeneous, last stage lost": (HOMOGENEOUS, [2]),
+    # the 3-node pipeline's middle stage (layers 2-3) maps to both stages of the 2-node pipeline
+    "heterogeneous, a lost stage taken by two stages": (HETEROGENEOUS, [3]),
+    "heterogeneous, the 2-node pipeline's first stage lost": (HETEROGENEOUS, [0]),
+    "two failures in different pipelines": (THREE, [1, 6]),
+    # the 2-node pipeline's first stage runs on the 1-node pipeline's devices, tensor rank by tensor rank
+    "tensor-parallel stages": (SPLIT, [1]),
+}
+assert all(p.global_batch_size == BATCH for p, _ in REROUTED.values())
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("schedule", SCHEDULE_NAMES)
+@pytest.mark.slow
+def test_rerouted_steps_equal_single_process_training(
+    pool: WorkerPool, reference: dict, schedule: str
+) -> None:
+    """Every case, one generation each: only the survivors run, the lost nodes' layers keep a replica that
+    computes their micro-batches, and each parameter is held by every survivor that held it before."""
+    offset = 400 + 100 * SCHEDULE_NAMES.index(schedule)  # see the split stages' test
+    for generation, (name, (layout, failed)) in enumerate(REROUTED.items(), start=offset):
+        plan = reroute(dataclasses.replace(layout, schedule=schedule), failed)
+        assert not set(failed) & set(plan.nodes), name
+        results = run_layout(pool, plan, generation, 4096)
+        for r in results.values():
+            assert r["losses"] == pytest.approx(reference["losses"], abs=1e-12, rel=1e-12), name
+            assert r["norms"] == pytest.approx(reference["norms"], rel=1e-10), name
+            assert r["eval"] == pytest.approx(reference["eval"], abs=1e-12, rel=1e-12), name
+        replicas: dict[str, int] = {}
+        for r in results.values():
+            for param, value in r["params"].items():
+                torch.testing.assert_close(value, reference["params"][param].detach(), atol=1e-10, rtol=0)
+                replicas[param] = replicas.get(param, 0) + 1
+        assert set(replicas) == set(reference["params"]), name
+        for step in range(STEPS):
+            inputs, _ = wl.global_batch(step, BATCH)
+            seen = torch.cat([r["seen"][step] for r in results.values() if r["seen"][step] is not None])
+            # every device of a split first stage feeds the rows it takes
+            expected = plan.tensor_parallel * list(map(tuple, inputs.tolist()))
+            assert sorted(map(tuple, seen.tolist())) == sorted(expected), name
 
 
 @pytest.mark.timeout(120)

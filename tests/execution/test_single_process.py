@@ -75,7 +75,7 @@ def test_process_groups_and_engine_move_to_a_new_generation_in_process(store: di
         loss = engine.train_step(inputs, targets)
         reference = build_reference_model(wl.model, wl.CPU, seed=wl.SEED, dtype=torch.float64)
         assert loss is not None and loss.item() == pytest.approx(gpt_loss(reference(inputs), targets).item())
-        assert (second.generation, engine.microbatches, engine.batch_slice) == (1, 6, slice(0, 12))
+        assert (second.generation, len(engine.microbatch_ids), engine.batch_slice) == (1, 6, slice(0, 12))
     finally:
         second.destroy()
 
@@ -111,7 +111,7 @@ def test_plan_for_another_model_and_wrong_batch_share_are_refused(groups: Proces
         PipelineEngine(gpt_layers(GPTConfig(n_blocks=2)), gpt_loss, groups, wl.CPU)
     engine = PipelineEngine(wl.model, gpt_loss, groups, wl.CPU)
     inputs, targets = wl.global_batch(0, 4)
-    with pytest.raises(ValueError, match="inputs has 4 samples but this pipeline runs 3 micro-batches of 2"):
+    with pytest.raises(ValueError, match="inputs has 4 samples but this worker runs 3 micro-batches of 2"):
         engine.train_step(inputs, targets)
 
 

@@ -10,7 +10,7 @@ import pytest
 
 from lightning_oobleck.planning import ClusterSpec, LayerCopy, Plan, make_plan, synthetic_gpt_profile
 from lightning_oobleck.planning.planner import PlannerInputs
-from lightning_oobleck.planning.reconfigure import after_failures, after_joins
+from lightning_oobleck.planning.reconfigure import after_failures, after_joins, copy_time_s
 from lightning_oobleck.simulation import (
     POLICIES,
     Costs,
@@ -24,7 +24,7 @@ from lightning_oobleck.simulation import (
     simulate_oobleck,
     simulate_replica_groups,
 )
-from lightning_oobleck.simulation.simulator import copy_time_s, state_bytes, young_daly_interval_s
+from lightning_oobleck.simulation.simulator import state_bytes, young_daly_interval_s
 from lightning_oobleck.worker import Worker
 
 HOUR = 3600.0
@@ -152,10 +152,17 @@ def test_the_default_interval_is_young_daly(plan: Plan) -> None:
     assert young_daly_interval_s(60.0, 8 * HOUR) == pytest.approx(math.sqrt(2 * 60 * 8 * HOUR))
 
 
+REROUTING = ("oobleck-reroute",)
+"""Policies that keep a rerouted layout even where it is slower than the one a re-instantiation would give: a
+later failure that rerouting cannot take forces that re-instantiation, and can so raise what they train
+(``oobleck-auto`` weighs both at every failure)."""
+
+
 @pytest.mark.parametrize("seed", range(6))
 def test_no_policy_beats_the_failure_free_run_and_more_failures_never_help(plan: Plan, seed: int) -> None:
-    """Without returns, dropping a trace's last failure never lowers what a policy trains. (With returns it
-    can: checkpoint-restart takes returned nodes only at its next restart, which a failure brings forward.)"""
+    """Without returns, dropping a trace's last failure never lowers what a policy trains, except under the
+    rerouting policies (:data:`REROUTING`). (With returns it can: checkpoint-restart takes returned nodes
+    only at its next restart, which a failure brings forward.)"""
     horizon = 12 * HOUR
     with_returns = poisson_trace(8, 2.0, horizon, repair_mean_s=2 * HOUR, seed=seed)
     for result in simulate(plan, with_returns):
@@ -164,7 +171,9 @@ def test_no_policy_beats_the_failure_free_run_and_more_failures_never_help(plan:
     assert trace.failures >= 2
     fewer = Trace(8, horizon, trace.events[:-1])
     for more, less in zip(simulate(plan, trace), simulate(plan, fewer), strict=True):
-        assert more.samples <= less.samples <= less.failure_free_samples, (more.policy, seed)
+        assert less.samples <= less.failure_free_samples, (more.policy, seed)
+        if more.policy not in REROUTING:
+            assert more.samples <= less.samples, (more.policy, seed)
 
 
 def test_traces_are_checked_and_round_trip(tmp_path) -> None:
@@ -197,7 +206,13 @@ def test_a_trace_for_another_cluster_is_refused(plan: Plan) -> None:
         simulate(plan, Trace(9, HOUR, ()))
     with pytest.raises(ValueError, match="unknown policy 'varuna'"):
         simulate(plan, Trace(8, HOUR, ()), policies=["varuna"])
-    assert set(POLICIES) == {"oobleck", "checkpoint-restart", "replica-groups"}
+    assert set(POLICIES) == {
+        "oobleck",
+        "oobleck-reroute",
+        "oobleck-auto",
+        "checkpoint-restart",
+        "replica-groups",
+    }
 
 
 def test_a_copy_striped_over_replicas_charges_each_sender_its_share(plan: Plan) -> None:

@@ -1,0 +1,279 @@
+"""Throughput after node failures under re-instantiation, rerouting and auto, on emulated devices.
+
+Plans of ``--pipelines`` pipelines of 4 stages (8 emulated layers, 2 a stage, ``F = I = W = --layer-ms``
+per layer, ``--microbatches`` micro-batches per pipeline), made by the planner from the emulated layers'
+profile in which each layer holds ``--layer-state-gb`` of parameters and optimizer state (the emulated
+layers are tiny; the size only sets the predicted state copy). For each plan, one failure (a middle stage of
+pipeline 0) and two (that and a last stage of pipeline 1, at once) are recovered from by:
+
+* ``reinstantiate``: the pipelines rebuilt from the templates (Oobleck), the layers a worker newly holds
+  copied (predicted from the profile's sizes and the links, :func:`copy_time_s`);
+* ``reroute``: the damaged pipelines keep their surviving stages, the lost stages' micro-batches run on the
+  other pipelines' replicas, in their bubbles (ReCycle); nothing is copied;
+* ``auto``: what :func:`choose_recovery` picks, from the cost model's event simulation of both steps and
+  the copy, over ``--horizon-s`` (the expected time to the next failure).
+
+Every layout runs in the same worker processes (gloo on CPU, one per device; workers of lost nodes sit the
+layouts after the failure out), one layout after the other, each a generation of its own. The table gives
+per row the measured and predicted step, the throughput against the failure-free plan's next to the ideal
+``(N - k) / N``, and the samples trained before the next failure (measured step, predicted copy), with the
+policy that trains the most by measurement and the one ``auto`` picked. Last, the step commit's time: what
+ReCycle's staggered optimizer would take off a step at most. ``--plot PATH``: the timeline of a rerouted step
+(one failure, the first plan), rerouted micro-batches hatched.
+
+    python benchmarks/failure_throughput.py [--pipelines 4 6] [--microbatches 4] [--layer-ms 5]
+        [--schedule zb-h1] [--layer-state-gb 2] [--horizon-s 60] [--steps 4] [--plot PATH]
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import time
+from datetime import timedelta
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from rich.console import Console
+from rich.table import Table
+from schedules import COLORS, draw_actions, loss, spawn  # benchmarks/ is the script's directory
+from torch.distributed import TCPStore
+
+from lightning_oobleck.execution import PipelineEngine, ProcessGroups
+from lightning_oobleck.planning import ClusterSpec, Plan, make_plan
+from lightning_oobleck.planning.planner import PlannerInputs
+from lightning_oobleck.planning.reconfigure import after_failures, copy_time_s
+from lightning_oobleck.planning.reroute import choose_recovery, predict_step_s, reroute
+from lightning_oobleck.planning.schedules import Timing
+from lightning_oobleck.testing import DeviceTimes, emulated_layers, emulated_profile
+from lightning_oobleck.worker import Worker
+
+LAYERS, WIDTH, MICRO, STAGES = 8, 16, 2, 4
+COMMITS = 20
+"""Step commits timed alone after the steps: the one all-reduce (of the gradient norm, the loss and the
+shared flags) that a staggered optimizer would take off the step."""
+POLICIES = ("reinstantiate", "reroute")
+
+
+def failure_free_plan(pipelines: int, args: argparse.Namespace) -> Plan:
+    """The planner's plan of ``pipelines`` pipelines of 4 stages, f = pipelines - 1."""
+    times = DeviceTimes(args.layer_ms / 1e3, args.layer_ms / 1e3, args.layer_ms / 1e3)
+    profile = emulated_profile(LAYERS, WIDTH, times, MICRO)
+    state = int(args.layer_state_gb * 1e9)
+    profile = dataclasses.replace(
+        profile, layers=tuple(dataclasses.replace(la, parameter_bytes=state) for la in profile.layers)
+    )
+    cluster = ClusterSpec(
+        num_nodes=STAGES * pipelines, gpus_per_node=1, device_memory_bytes=12 * state
+    )  # two layers' state fit on a device, three do not
+    plan = make_plan(
+        profile,
+        cluster,
+        fault_tolerance=pipelines - 1,
+        global_batch_size=MICRO * args.microbatches * pipelines,
+        schedule=args.schedule,
+    )
+    shape = [len(p.stages) for p in plan.pipelines]
+    if shape != [STAGES] * pipelines:
+        raise SystemExit(f"the planner made pipelines of {shape} stages, not {pipelines} of {STAGES}")
+    return plan
+
+
+def worker(index: int, port: int, job: dict[str, Any], out: Any) -> None:
+    """Worker ``index`` of the failure-free plan: for each layout it is part of, the seconds per step (after
+    one warm-up step), and the actions of one more step for the traced layout."""
+    torch.set_num_threads(1)
+    store = TCPStore("127.0.0.1", port, is_master=False, timeout=timedelta(seconds=120))
+    times: DeviceTimes = job["times"]
+    me: Worker = job["workers"][index]
+    results: dict[str, Any] = {}
+    for generation, (key, plan) in enumerate(job["layouts"], start=1):
+        if me not in plan.workers:
+            continue
+        groups = ProcessGroups(plan, me, store, generation)
+        engine = PipelineEngine(
+            lambda: emulated_layers(LAYERS, WIDTH, times), loss, groups, torch.device("cpu")
+        )
+        size = plan.global_batch_size
+        inputs, targets = torch.randn(size, WIDTH), torch.randn(size, WIDTH)
+        mine = torch.cat([torch.arange(r.start, r.stop) for r in engine.samples])
+        trace: list[Timing] = []
+        for step in range(job["steps"] + 2):
+            if step == 1:
+                dist.barrier()
+                start = time.perf_counter()
+            if step == job["steps"] + 1:
+                elapsed = time.perf_counter() - start
+                engine.trace = trace if key == job["traced"] else None
+            engine.module.zero_grad(set_to_none=True)
+            engine.train_step(
+                inputs[mine] if engine.is_first_stage else None,
+                targets[mine] if engine.is_last_stage else None,
+            )
+        dist.barrier()
+        commits = time.perf_counter()
+        for _ in range(COMMITS):
+            engine.commit(None)
+        commit_s = (time.perf_counter() - commits) / COMMITS
+        results[key] = {
+            "step_s": elapsed / job["steps"],
+            "commit_s": commit_s,
+            "trace": trace,
+            "pipeline": engine.role.pipeline,
+        }
+        groups.destroy()
+    out.put((index, results))
+
+
+def plot(results: dict[int, Any], plan: Plan, key: str, path: str) -> None:
+    """Each worker's actions in the traced rerouted step; micro-batches of another pipeline hatched."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    from matplotlib.patches import Patch
+
+    rows = [(i, r[key]) for i, r in sorted(results.items()) if key in r]
+    fig, ax = plt.subplots(figsize=(14, 1.0 + 0.32 * len(rows)))
+    owns = [plan.microbatch_range(result["pipeline"]) for _, result in rows]
+    end = draw_actions(
+        ax,
+        [result["trace"] for _, result in rows],
+        [f"worker {i}" for i, _ in rows],
+        lambda row, t: t.action.microbatch not in owns[row],
+    )
+    ax.set_title(
+        f"{key}: a rerouted step, {end:.0f} ms (hatched: micro-batches rerouted from another pipeline)"
+    )
+    ax.legend(
+        handles=[Patch(color=c, label=op.value) for op, c in COLORS.items()], loc="upper right", ncols=4
+    )
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--pipelines", type=int, nargs="+", default=[4, 6])
+    parser.add_argument("--microbatches", type=int, default=4, help="micro-batches per pipeline")
+    parser.add_argument("--layer-ms", type=float, default=5.0, help="F = I = W of each emulated layer")
+    parser.add_argument("--schedule", default="zb-h1", choices=["1f1b", "zb-h1"])
+    parser.add_argument(
+        "--layer-state-gb", type=float, default=2.0, help="parameters + optimizer state a layer"
+    )
+    parser.add_argument("--horizon-s", type=float, default=60.0, help="expected time to the next failure")
+    parser.add_argument("--steps", type=int, default=4)
+    parser.add_argument("--plot", help="write the timeline of a rerouted step (PNG) here")
+    args = parser.parse_args()
+    console = Console(width=200)
+    table = Table(
+        title=f"Throughput after failures: 4-stage pipelines of {args.microbatches} micro-batches, "
+        f"{args.schedule}, "
+        f"F = I = W = {2 * args.layer_ms:g} ms per stage, {args.layer_state_gb:g} GB of state per layer, "
+        f"next failure in {args.horizon_s:g} s; mean of {args.steps} steps"
+    )
+    for column in (
+        "pipelines",
+        "failed",
+        "policy",
+        "predicted ms",
+        "measured ms",
+        "measured / predicted",
+        "throughput / before",
+        "ideal (N-k)/N",
+        "copy s (predicted)",
+        "samples to next failure",
+        "best measured",
+        "auto picks",
+    ):
+        table.add_column(column, justify="left" if column in ("policy", "failed") else "right")
+    times = DeviceTimes(args.layer_ms / 1e3, args.layer_ms / 1e3, args.layer_ms / 1e3)
+    commit_ms: dict[int, float] = {}
+    for k, pipelines in enumerate(args.pipelines):
+        plan = failure_free_plan(pipelines, args)
+        scenarios = {
+            1: [plan.pipelines[0].nodes[1]],
+            2: [plan.pipelines[0].nodes[1], plan.pipelines[1].nodes[-1]],
+        }
+        layouts: list[tuple[str, Plan]] = [("before", plan)]
+        copies: dict[str, float] = {}
+        picks: dict[int, str] = {}
+        for count, failed in scenarios.items():
+            again = after_failures(plan, failed)
+            copies[f"reinstantiate {count}"] = copy_time_s(again.copies, PlannerInputs.from_plan(plan))
+            layouts += [(f"reinstantiate {count}", again.plan), (f"reroute {count}", reroute(plan, failed))]
+            picks[count] = choose_recovery(plan, failed, "auto", args.horizon_s).policy
+        traced = "reroute 1" if args.plot and k == 0 else ""
+        job = {
+            "times": times,
+            "workers": plan.workers,
+            "layouts": layouts,
+            "steps": args.steps,
+            "traced": traced,
+        }
+        results = spawn(worker, len(plan.workers), job)
+        commit_ms[pipelines] = max(r["before"]["commit_s"] for r in results.values()) * 1e3
+        measured = {
+            key: results[0 if key == "before" else _first(results, key)][key]["step_s"] for key, _ in layouts
+        }
+        by_key = dict(layouts)
+        before = measured["before"]
+        table.add_row(
+            str(pipelines),
+            "none",
+            "",
+            f"{predict_step_s(plan) * 1e3:.0f}",
+            f"{before * 1e3:.0f}",
+            f"{before / predict_step_s(plan):.2f}",
+            "1.00",
+            "1.00",
+            "",
+            "",
+            "",
+            "",
+        )
+        for count, failed in scenarios.items():
+            samples = {
+                policy: plan.global_batch_size
+                * max(args.horizon_s - copies.get(f"{policy} {count}", 0.0), 0.0)
+                / measured[f"{policy} {count}"]
+                for policy in POLICIES
+            }
+            best = max(samples, key=samples.__getitem__)
+            for policy in POLICIES:
+                key = f"{policy} {count}"
+                predicted = predict_step_s(by_key[key])
+                table.add_row(
+                    "",
+                    f"{count}: {', '.join(map(str, failed))}",
+                    policy,
+                    f"{predicted * 1e3:.0f}",
+                    f"{measured[key] * 1e3:.0f}",
+                    f"{measured[key] / predicted:.2f}",
+                    f"{before / measured[key]:.2f}",
+                    f"{(len(plan.nodes) - count) / len(plan.nodes):.2f}",
+                    f"{copies.get(key, 0.0):.2f}",
+                    f"{samples[policy]:.4g}",
+                    "yes" if policy == best else "",
+                    "yes" if policy == picks[count] else "",
+                )
+        if traced:
+            plot(results, by_key[traced], traced, args.plot)
+    console.print(table)
+    console.print(
+        "The step commit (one all-reduce of the squared gradient norm and the loss over every worker, timed "
+        "alone after the steps, the slowest worker's mean): "
+        + ", ".join(f"{n} pipelines {ms:.2f} ms" for n, ms in commit_ms.items())
+        + "; a staggered optimizer would take at most this off each step."
+    )
+
+
+def _first(results: dict[int, Any], key: str) -> int:
+    return min(i for i, r in results.items() if key in r)
+
+
+if __name__ == "__main__":
+    main()

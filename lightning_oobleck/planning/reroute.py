@@ -1,0 +1,371 @@
+"""ReCycle's rerouting (Gandhi et al., SOSP'24): after a failure, a pipeline that lost a node keeps its
+surviving stages, and the lost stages' layers run for its micro-batches on replicas in other pipelines.
+
+Pure planning, like the rest of :mod:`lightning_oobleck.planning`. :func:`reroute` turns a plan and the nodes
+it lost into a *rerouted plan*: the same pipelines, the lost nodes named (:attr:`Plan.lost`) and, for every
+lost stage, the pipelines that run its layers (:class:`~lightning_oobleck.planning.plan.Reroute`). Nothing
+moves: every surviving worker keeps its layers and their optimizer state, so the new layout costs no copy.
+
+A micro-batch of a damaged pipeline follows a *route*: its pipeline's own stages where they live, and where a
+stage was lost, the stages of a helper pipeline that hold that stage's layers, at layer granularity (a
+helper split differently may run a part of a stage's layers, and one lost stage may take two of its stages).
+:func:`routes` gives each route as a pipeline of its own (a
+:class:`~lightning_oobleck.planning.schedules.PipelineSpec`); the plan's schedule makes each route's lists
+and :func:`~lightning_oobleck.planning.schedules.merge` interleaves them on the workers they share, so
+rerouted work fills the helpers' bubbles; every route's transfers go on a channel of their own
+(:func:`step_actions`). Gradients of rerouted work accumulate in the replica that computed them, and the
+gradient sync sums each layer over its live replicas (:meth:`Plan.layer_owners`): each layer's gradient is
+still the sum over every micro-batch of the global batch, so the step is single-device training's.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import math
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from lightning_oobleck.planning.plan import Pipeline, Plan, Reroute
+from lightning_oobleck.planning.planner import PlannerInputs
+from lightning_oobleck.planning.reconfigure import (
+    Reconfiguration,
+    ReconfigurationError,
+    after_failures,
+    copy_time_s,
+)
+from lightning_oobleck.planning.schedules import (
+    Action,
+    Op,
+    PipelineSpec,
+    Schedule,
+    in_flight_limit,
+    iteration_time_s,
+    merge,
+    pipeline_actions,
+    pipeline_times_s,
+    simulate,
+)
+from lightning_oobleck.worker import Worker
+
+
+class NotReroutable(ValueError):
+    """The failure leaves a layer without a live replica, or a route that would visit a worker twice:
+    rerouting cannot keep the step exact, and the layout must be re-instantiated."""
+
+
+def _lost_stages(pipeline: Pipeline, lost: frozenset[int]) -> list[int]:
+    return [si for si in range(len(pipeline.stages)) if pipeline.worker_of_stage(si).node in lost]
+
+
+def _intact_over(pipeline: Pipeline, layers: range, lost: frozenset[int]) -> bool:
+    return all(
+        pipeline.worker_of_stage(si).node not in lost
+        for si, s in enumerate(pipeline.stages)
+        if s.first_layer < layers.stop and layers.start < s.end_layer
+    )
+
+
+def reroute(plan: Plan, failed: Iterable[int]) -> Plan:
+    """``plan`` after ``failed`` nodes are gone, its damaged pipelines rerouted.
+
+    Each lost stage's micro-batches are spread over the pipelines whose replicas of the stage's layers all
+    live, the ones after the damaged pipeline first, at most one per micro-batch (micro-batch ``k`` of the
+    damaged pipeline to the ``k``-th of them, round robin): the extra work divides among the helpers. The
+    plan's fault tolerance becomes the live replicas of its least replicated layer minus one. The predicted
+    step (:attr:`Plan.iteration_time_s`) is the plan's own, times the ratio of :func:`predict_step_s` after
+    and before: the event simulation's slowdown applied to the planner's step (its gradient sync and
+    optimizer included).
+
+    Raises :class:`NotReroutable` when a layer has no live replica left or a route would run on one worker
+    twice (its micro-batch would cross the same device at two depths).
+    """
+    failed = tuple(failed)
+    lost = frozenset(plan.lost) | frozenset(failed)
+    unknown = sorted(set(failed) - {n for p in plan.pipelines for n in p.nodes})
+    if unknown:
+        raise ValueError(f"nodes {unknown} are not in the plan")
+    reroutes: list[Reroute] = []
+    count = len(plan.pipelines)
+    for pi, p in enumerate(plan.pipelines):
+        for si in _lost_stages(p, lost):
+            layers = p.stages[si].layers
+            # the pipelines after this one first (damaged pipelines lean on different helpers), at most one
+            # per micro-batch: each helper takes at least one
+            order = [(pi + k) % count for k in range(1, count)]
+            helpers = tuple(q for q in order if _intact_over(plan.pipelines[q], layers, lost))
+            helpers = helpers[: p.microbatches]
+            if not helpers:
+                raise NotReroutable(
+                    f"no other pipeline holds layers {layers.start}..{layers.stop - 1} on live nodes after "
+                    f"losing nodes {sorted(lost)}: the stage cannot be rerouted"
+                )
+            reroutes.append(Reroute(pi, si, helpers))
+    replicas = [
+        sum(_intact_over(p, range(layer, layer + 1), lost) for p in plan.pipelines)
+        for layer in range(plan.num_layers)
+    ]
+    fault_tolerance = min(replicas) - 1
+    warnings: tuple[str, ...] = ()
+    if fault_tolerance < plan.fault_tolerance:
+        warnings = (
+            f"rerouted after losing nodes {sorted(lost)}: fault tolerance {fault_tolerance} "
+            f"(was {plan.fault_tolerance}); a layer has {min(replicas)} live replica(s)",
+        )
+    rerouted = dataclasses.replace(
+        plan,
+        lost=tuple(sorted(lost)),
+        reroutes=tuple(reroutes),
+        fault_tolerance=fault_tolerance,
+        warnings=warnings,
+    )
+    routes(rerouted)  # refuses a route through one worker twice
+    before, after = predict_step_s(plan), predict_step_s(rerouted)
+    step = plan.iteration_time_s * after / before if plan.iteration_time_s > 0 and before > 0 else after
+    return dataclasses.replace(rerouted, iteration_time_s=step)
+
+
+def affected(plan: Plan) -> frozenset[int]:
+    """The pipelines a rerouted plan changes: the damaged ones and their helpers."""
+    return frozenset(p for r in plan.reroutes for p in (r.pipeline, *r.helpers))
+
+
+def routes(plan: Plan, tensor_rank: int = 0) -> tuple[PipelineSpec, ...]:
+    """The paths of the step's micro-batches, each as a pipeline: an intact pipeline's stages with all its
+    micro-batches; for a damaged one, a route per combination of helpers, with the micro-batches that take
+    it. At tensor parallelism ``t > 1``, the devices of tensor rank ``tensor_rank``. Route ``k``'s transfers
+    go on channel ``k``."""
+    by_pipeline: dict[int, dict[int, Reroute]] = {}
+    for r in plan.reroutes:
+        by_pipeline.setdefault(r.pipeline, {})[r.stage] = r
+    out: list[PipelineSpec] = []
+    for pi, p in enumerate(plan.pipelines):
+        lost_here = by_pipeline.get(pi, {})
+        combos: dict[tuple[int, ...], list[int]] = {}
+        for k, mb in enumerate(plan.microbatch_range(pi)):
+            combo = tuple(lost_here[si].helpers[k % len(lost_here[si].helpers)] for si in sorted(lost_here))
+            combos.setdefault(combo, []).append(mb)
+        for combo, microbatches in combos.items():
+            helper_of = dict(zip(sorted(lost_here), combo, strict=True))
+            segments: list[tuple[Worker, list[int]]] = []
+            for si, s in enumerate(p.stages):
+                if si in helper_of:
+                    q = plan.pipelines[helper_of[si]]
+                    parts = [
+                        (q.workers_of_stage(sj)[tensor_rank], [i for i in qs.layers if i in s.layers])
+                        for sj, qs in enumerate(q.stages)
+                    ]
+                else:
+                    parts = [(p.workers_of_stage(si)[tensor_rank], list(s.layers))]
+                for worker, layers in parts:
+                    if not layers:
+                        continue
+                    if segments and segments[-1][0] == worker:
+                        segments[-1][1].extend(layers)
+                    else:
+                        segments.append((worker, layers))
+            workers = [w for w, _ in segments]
+            if len(set(workers)) != len(workers):
+                twice = next(w for w in workers if workers.count(w) > 1)
+                raise NotReroutable(
+                    f"pipeline {pi}'s micro-batches would cross worker {twice} twice when rerouted through "
+                    f"pipelines {list(combo)}"
+                )
+            out.append(
+                PipelineSpec(tuple(workers), tuple(tuple(ls) for _, ls in segments), tuple(microbatches))
+            )
+    return tuple(out)
+
+
+def _owner(plan: Plan, spec: PipelineSpec) -> int:
+    """The pipeline whose micro-batches take route ``spec``."""
+    first = spec.microbatches[0]
+    return next(i for i in range(len(plan.pipelines)) if first in plan.microbatch_range(i))
+
+
+def phase_duration(plan: Plan) -> Callable[[Worker, Action], float]:
+    """The cost model's time of one compute action: the worker's stage time per micro-batch
+    (:attr:`PipelineTemplate.stage_times_s`) in the share of the stage's layers the action runs, split
+    ``F = I = W`` (``B = I + W``)."""
+    cache: dict[Worker, tuple[float, int]] = {}
+
+    def duration(worker: Worker, action: Action) -> float:
+        if worker not in cache:
+            role = plan.role(worker.node, worker.device)
+            template = plan.pipelines[role.pipeline].template
+            cache[worker] = (template.stage_times_s[role.stage], len(role.layers))
+        stage_s, layers = cache[worker]
+        share = stage_s * len(action.layers) / layers
+        return share * (2 if action.op is Op.B else 1) / 3
+
+    return duration
+
+
+def step_actions(
+    plan: Plan,
+    tensor_rank: int = 0,
+    buckets: Mapping[Worker, Sequence[tuple[int, ...]]] | None = None,
+    train: bool = True,
+    duration: Callable[[Worker, Action], float] | None = None,
+    pipelines: frozenset[int] | None = None,
+) -> tuple[Schedule, dict[Worker, int]]:
+    """The action lists of every worker (of tensor rank ``tensor_rank``) for one step of a rerouted plan,
+    and how many micro-batches each may hold in flight (the sum over the routes it is on); ``pipelines``:
+    only the routes of these pipelines' micro-batches (with their channels), e.g. :func:`affected`.
+
+    Each route's lists come from the plan's schedule on channel ``k`` and :func:`merge` interleaves them by
+    ``duration`` (default :func:`phase_duration`); ``buckets[worker]``: its gradient buckets' layers,
+    reduced at the end of its list (default: one bucket of its layers)."""
+    parts = []
+    limits: dict[Worker, int] = {}
+    for channel, spec in enumerate(routes(plan, tensor_rank)):
+        if pipelines is not None and _owner(plan, spec) not in pipelines:
+            continue
+        parts.append(pipeline_actions(spec, plan.schedule, None, train, channel))
+        for s, w in enumerate(spec.workers):
+            bound = in_flight_limit(plan.schedule, len(spec.workers), s, len(spec.microbatches))
+            limits[w] = limits.get(w, 0) + bound
+    if train and buckets is None:
+        buckets = {w: [tuple(plan.role(w.node, w.device).layers)] for w in limits}
+    schedule = merge(parts, buckets if train else None, duration or phase_duration(plan))
+    return schedule, limits
+
+
+def predict_step_s(plan: Plan) -> float:
+    """The event simulation of a step (:func:`step_actions` timed by :func:`phase_duration`, transfers
+    free): the pipelines rerouting touches simulated together, each other one alone
+    (:func:`~lightning_oobleck.planning.schedules.pipeline_times_s`, the same rules); the slowest."""
+    touched = affected(plan)
+    alone = [
+        (
+            [(t / 3, t / 3, t / 3) for t in p.template.stage_times_s],
+            [0.0] * len(p.stages),
+            p.microbatches,
+        )
+        for i, p in enumerate(plan.pipelines)
+        if i not in touched and p.microbatches > 0
+    ]
+    slowest = float(pipeline_times_s(plan.schedule, alone).max(initial=0.0))
+    if not touched:
+        return slowest
+    duration = phase_duration(plan)
+    schedule, _ = step_actions(plan, duration=duration, pipelines=touched)
+    return max(slowest, iteration_time_s(simulate(schedule, duration)))
+
+
+# ---------------------------------------------------------------------------------------------- the choice
+
+RECOVERY_POLICIES = ("reinstantiate", "reroute", "auto")
+"""How a failure is recovered from: re-instantiate pipelines from the templates (Oobleck; the layers a
+worker newly holds are copied), reroute the lost stages' micro-batches (ReCycle; nothing moves, the step is
+slower), or ``auto``: whichever the cost model predicts trains more samples before the next failure."""
+
+
+@dataclass(frozen=True)
+class Candidate:
+    """One way to recover from a failure, as the cost model predicts it."""
+
+    policy: str
+    step_s: float = math.nan
+    """The predicted step after the switch (:func:`predict_step_s`)."""
+    transition_s: float = math.nan
+    """The predicted state copy before training resumes (none for rerouting)."""
+    samples: float = 0.0
+    """Samples trained over the horizon: ``B * max(D - transition, 0) / step``."""
+    infeasible: str = ""
+    """Why this way is impossible here (empty: it is possible)."""
+
+    def __str__(self) -> str:
+        if self.infeasible:
+            return f"{self.policy}: impossible ({self.infeasible})"
+        return (
+            f"{self.policy}: {self.step_s:.3g} s/step after {self.transition_s:.3g} s of copy, "
+            f"{self.samples:.4g} samples before the next failure"
+        )
+
+
+@dataclass(frozen=True)
+class RecoveryChoice:
+    """The reconfiguration a failure leads to and the candidates it was chosen from."""
+
+    reconfiguration: Reconfiguration
+    policy: str
+    """The way taken: ``reinstantiate`` or ``reroute``."""
+    candidates: tuple[Candidate, ...]
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"policy": self.policy, "candidates": [dataclasses.asdict(c) for c in self.candidates]}
+
+
+def choose_recovery(
+    plan: Plan,
+    failed: Iterable[int],
+    policy: str = "auto",
+    horizon_s: float = 3600.0,
+    link_share: float = 1.0,
+    message_tags: bool = True,
+) -> RecoveryChoice:
+    """How to go on after ``failed`` nodes are gone, under ``policy`` (:data:`RECOVERY_POLICIES`).
+
+    Each way is predicted with the same event simulation of its step (:func:`predict_step_s`: the stages'
+    compute; the gradient sync, about the same either way, is left out) and, for
+    re-instantiation, the state copy over the nodes' links at ``link_share`` of their bandwidth
+    (:func:`~lightning_oobleck.planning.reconfigure.copy_time_s`); ``auto`` takes the one that trains the
+    most samples over ``horizon_s``, the expected time to the next failure (Odyssey's score, ``B / step``
+    times the share of the horizon left after the transition), rerouting on a tie. ``reroute`` falls back to
+    re-instantiation where rerouting is impossible (a layer without a live replica, a route through one
+    worker twice, or with ``message_tags=False``, as under NCCL, two routes between one pair of workers).
+    Raises :class:`~lightning_oobleck.planning.reconfigure.ReconfigurationError` when neither way exists.
+    """
+    if policy not in RECOVERY_POLICIES:
+        raise ValueError(f"recovery_policy must be one of {', '.join(RECOVERY_POLICIES)}, got {policy!r}")
+    failed = sorted(set(failed))
+    big_b = plan.global_batch_size
+    options: dict[str, Reconfiguration] = {}
+    candidates: list[Candidate] = []
+    error: ReconfigurationError | None = None
+    try:
+        again = after_failures(plan, failed)
+        copy_s = copy_time_s(again.copies, PlannerInputs.from_plan(plan), link_share)
+        options["reinstantiate"] = again
+        candidates.append(Candidate("reinstantiate", predict_step_s(again.plan), copy_s))
+    except ReconfigurationError as e:
+        error = e
+        candidates.append(Candidate("reinstantiate", infeasible=str(e)))
+    if policy != "reinstantiate":
+        try:
+            rerouted = reroute(plan, failed)
+            if not message_tags and (shared := shared_pairs(rerouted)):
+                raise NotReroutable(
+                    f"workers {list(shared[0])} would carry two routes' micro-batches, which a backend "
+                    "without message tags (NCCL) cannot keep apart"
+                )
+            options["reroute"] = Reconfiguration(rerouted, ())
+            candidates.append(Candidate("reroute", predict_step_s(rerouted), 0.0))
+        except NotReroutable as e:
+            candidates.append(Candidate("reroute", infeasible=str(e)))
+    scored = tuple(
+        c
+        if c.infeasible
+        else dataclasses.replace(c, samples=big_b * max(horizon_s - c.transition_s, 0.0) / c.step_s)
+        for c in candidates
+    )
+    feasible = [c for c in scored if not c.infeasible]
+    if not feasible:
+        assert error is not None
+        raise error
+    if policy == "auto":
+        chosen = max(feasible, key=lambda c: (c.samples, c.policy == "reroute")).policy
+    else:
+        chosen = policy if policy in options else feasible[0].policy
+    return RecoveryChoice(options[chosen], chosen, scored)
+
+
+def shared_pairs(plan: Plan) -> list[tuple[Worker, Worker]]:
+    """The pairs of workers between which two routes of a rerouted plan send (tensor rank 0's)."""
+    channels: dict[tuple[Worker, Worker], set[int]] = {}
+    for channel, spec in enumerate(routes(plan)):
+        for a, b in itertools.pairwise(spec.workers):
+            channels.setdefault((min(a, b), max(a, b)), set()).add(channel)
+    return sorted(pair for pair, used in channels.items() if len(used) > 1)

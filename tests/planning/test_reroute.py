@@ -1,0 +1,168 @@
+"""Rerouted plans (ReCycle): every failure set up to f on planner plans gives routes that cross every layer
+once on live workers, action lists the validator accepts, the recomputed f, and the per-failure choice."""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import math
+
+import pytest
+
+from lightning_oobleck.planning import ClusterSpec, Plan, ReconfigurationError, make_plan
+from lightning_oobleck.planning.profile import LayerProfile, ModelProfile
+from lightning_oobleck.planning.reroute import (
+    NotReroutable,
+    choose_recovery,
+    predict_step_s,
+    reroute,
+    routes,
+    shared_pairs,
+    step_actions,
+)
+from lightning_oobleck.planning.schedules import COMPUTE, Op, ScheduleError, validate
+
+
+def planned(nodes: int, f: int, per_device: int, schedule: str = "zb-h1", batch: int | None = None) -> Plan:
+    """8 equal layers (F = I = W = 1 ms), ``per_device`` of them fit on a device; ``batch`` samples (default
+    4 per node) of one sample per micro-batch."""
+    layer = LayerProfile(1e-3, 2e-3, 1000, 100, 100, weight_grad_s=1e-3)
+    return make_plan(
+        ModelProfile((layer,) * 8, microbatch_size=1),
+        ClusterSpec(num_nodes=nodes, gpus_per_node=1, device_memory_bytes=per_device * 20_000 / 3),
+        fault_tolerance=f,
+        global_batch_size=batch or 4 * nodes,
+        schedule=schedule,
+    )
+
+
+def check_rerouted(plan: Plan, failed: tuple[int, ...]) -> Plan:
+    rerouted = reroute(plan, failed)
+    assert not set(rerouted.nodes) & set(failed)
+    live = set(rerouted.workers)
+    seen: list[int] = []
+    for spec in routes(rerouted):
+        assert set(spec.workers) <= live
+        assert [i for layers in spec.layers for i in layers] == list(range(plan.num_layers))
+        # a worker runs, for a rerouted micro-batch, only layers it holds
+        for worker, layers in zip(spec.workers, spec.layers, strict=True):
+            assert set(layers) <= set(rerouted.role(*worker).layers)
+        seen += spec.microbatches
+    assert sorted(seen) == list(range(plan.num_microbatches))
+    schedule, limits = step_actions(rerouted)
+    validate(schedule, limits, {w: 1 for w in schedule})
+    # every micro-batch's every layer is computed exactly once, forward and backward
+    for op in (Op.F, Op.I, Op.W):
+        done = sorted(
+            (a.microbatch, layer)
+            for actions in schedule.values()
+            for a in actions
+            if a.op is op
+            for layer in a.layers
+        )
+        assert done == sorted(itertools.product(range(plan.num_microbatches), range(plan.num_layers)))
+    replicas = [len(rerouted.layer_owners(layer)) for layer in range(plan.num_layers)]
+    assert rerouted.fault_tolerance == min(replicas) - 1
+    return rerouted
+
+
+@pytest.mark.timeout(120)
+def test_every_failure_set_up_to_f_reroutes_exactly() -> None:
+    """4 to 6 pipelines, every set of 1 or 2 lost nodes: the routes, the lists, f."""
+    checked = 0
+    for nodes, per_device in ((8, 4), (12, 3), (11, 3)):  # n0 = 2, 3 (heterogeneous with 11 nodes)
+        plan = planned(nodes, 2, per_device)
+        assert len(plan.pipelines) >= 3
+        for size in (1, 2):
+            for failed in itertools.combinations(plan.nodes, size):
+                check_rerouted(plan, failed)
+                checked += 1
+    assert checked > 100
+
+
+def test_a_layer_without_a_live_replica_is_not_reroutable_and_says_so() -> None:
+    plan = planned(4, 1, 4)  # 2 pipelines of 2 nodes
+    first_stages = [p.worker_of_stage(0).node for p in plan.pipelines]
+    with pytest.raises(NotReroutable, match=r"no other pipeline holds layers 0\.\.3 on live nodes"):
+        reroute(plan, first_stages)
+
+
+def test_a_second_failure_reroutes_the_rerouted_plan() -> None:
+    plan = planned(12, 2, 3)
+    once = check_rerouted(plan, (plan.pipelines[0].nodes[0],))
+    twice = reroute(once, (plan.pipelines[1].nodes[-1],))
+    assert set(twice.lost) == {plan.pipelines[0].nodes[0], plan.pipelines[1].nodes[-1]}
+    validate(step_actions(twice)[0])
+
+
+def test_rerouted_work_lands_in_the_helpers_bubbles() -> None:
+    """4 pipelines of 4 stages of 4 micro-batches, one node lost: under both schedules the step grows by less
+    than the work each helper takes on (a third of the lost stage's micro-batches on one of its stages),
+    because that work fills the bubbles of their schedules."""
+    for schedule in ("1f1b", "zb-h1"):
+        check_bubbles_absorb(planned(16, 3, 2, schedule, batch=16))
+
+
+def check_bubbles_absorb(plan: Plan) -> None:
+    assert [len(p.stages) for p in plan.pipelines] == [4] * 4
+    before = predict_step_s(plan)
+    rerouted = reroute(plan, [plan.pipelines[0].nodes[1]])
+    (reroute_of,) = rerouted.reroutes
+    most = math.ceil(plan.pipelines[0].microbatches / len(reroute_of.helpers))  # the busiest helper's share
+    extra = most * plan.pipelines[0].template.stage_times_s[1]
+    assert before < rerouted.iteration_time_s < before + extra - 1e-6
+
+
+def test_the_json_form_keeps_the_rerouting() -> None:
+    rerouted = reroute(planned(8, 2, 4), [1])
+    assert Plan.from_dict(rerouted.to_dict()) == rerouted
+
+
+def test_a_list_on_the_wrong_channel_is_refused() -> None:
+    rerouted = reroute(planned(8, 2, 4), [1])
+    schedule, _ = step_actions(rerouted)
+    worker, actions = next((w, a) for w, a in schedule.items() if any(x.channel for x in a))
+    k = next(i for i, a in enumerate(actions) if a.channel)
+    schedule[worker][k] = dataclasses.replace(actions[k], channel=0)
+    with pytest.raises(ScheduleError, match=r"no matching|same order"):
+        validate(schedule)
+
+
+def test_the_choice_weighs_the_step_against_the_copy_over_the_horizon() -> None:
+    plan = planned(16, 3, 2)
+    failed = [plan.pipelines[0].nodes[1]]
+    auto = choose_recovery(plan, failed, "auto", horizon_s=3600.0)
+    by_policy = {c.policy: c for c in auto.candidates}
+    assert set(by_policy) == {"reinstantiate", "reroute"}
+    assert by_policy["reroute"].transition_s == 0.0 and by_policy["reinstantiate"].transition_s > 0.0
+    best = max(auto.candidates, key=lambda c: c.samples)
+    assert auto.policy == best.policy
+    for c in auto.candidates:
+        assert c.samples == pytest.approx(plan.global_batch_size * (3600.0 - c.transition_s) / c.step_s)
+    # a horizon shorter than the copy: rerouting trains, re-instantiation would still be copying
+    short = choose_recovery(plan, failed, "auto", horizon_s=by_policy["reinstantiate"].transition_s / 2)
+    assert short.policy == "reroute"
+    # the fixed policies take their way whatever the prediction
+    assert choose_recovery(plan, failed, "reroute").policy == "reroute"
+    assert choose_recovery(plan, failed, "reinstantiate").reconfiguration.copies
+
+
+def test_reroute_falls_back_to_reinstantiation_where_it_cannot_keep_the_step_exact() -> None:
+    plan = planned(8, 1, 2)  # 2 pipelines of 4 nodes: two failures leave layers with no replica
+    failed = [plan.pipelines[0].nodes[0], plan.pipelines[1].nodes[0]]
+    with pytest.raises(ReconfigurationError):
+        choose_recovery(plan, failed, "reroute")
+    plan = planned(8, 2, 4)
+    rerouted = reroute(plan, [1])
+    if shared_pairs(rerouted):  # without message tags (NCCL) two routes may not share a pair of workers
+        choice = choose_recovery(plan, [1], "reroute", message_tags=False)
+        assert choice.policy == "reinstantiate"
+        assert "message tags" in next(c.infeasible for c in choice.candidates if c.policy == "reroute")
+
+
+def test_compute_actions_only_run_held_layers() -> None:
+    rerouted = reroute(planned(11, 2, 3), [4])
+    schedule, _ = step_actions(rerouted)
+    for worker, actions in schedule.items():
+        held = set(rerouted.role(*worker).layers)
+        assert all(set(a.layers) <= held for a in actions if a.op in COMPUTE)

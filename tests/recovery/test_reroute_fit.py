@@ -1,0 +1,71 @@
+"""Rerouting (ReCycle) in the loop users run: ``Trainer.fit`` with ``recovery_policy="reroute"``, workers
+SIGKILLed for real; the damaged pipelines keep their surviving stages, no state is copied, and the run ends
+with single-process training's weights, learning rates, logged losses, samples and checkpoints (the loop of
+:mod:`test_realistic_loop`: validation, checkpoints, loader workers, an LR schedule, clipping). A node that
+comes back ends the rerouting."""
+
+from __future__ import annotations
+
+import signal
+from pathlib import Path
+from typing import Any
+
+import pytest
+from test_fault_matrix import BACKWARD, FORWARD, Fault
+from test_realistic_loop import CHECKPOINT, VALIDATION, LoopFaults, check_loop, fit_loop, loop_reference
+from test_rejoin_fit import HoldForTheReplacement
+
+from lightning_oobleck.lightning.units import EVENTS_FILE
+from lightning_oobleck.recovery import read_events
+
+__all__ = ["loop_reference"]  # the fixture, shared with test_realistic_loop
+
+
+def recoveries(out: Path) -> list[Any]:
+    return read_events(out / "logs" / "version_0" / EVENTS_FILE)[1]
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.slow
+def test_reroute_a_first_stage_then_a_last_stage_of_another_pipeline(
+    tmp_path: Path, loop_reference: dict[str, Any]
+) -> None:
+    """6 nodes, 3 pipelines of 2 stages. Rank 0 (a first stage) dies in a training forward of step 1: its
+    pipeline's micro-batches take the other two pipelines' first stages. In step 5 a last stage of another
+    pipeline (node 3) dies in a backward: two pipelines are rerouted at once. Nothing is copied."""
+    faults = {(0, 1): Fault(signal.SIGKILL, FORWARD), (3, 5): Fault(signal.SIGKILL, BACKWARD)}
+    trainer = fit_loop(tmp_path, LoopFaults(tmp_path, faults), 6, recovery_policy="reroute")
+    check_loop(trainer, tmp_path, loop_reference, dead={0, 3}, num_nodes=6)
+    events = recoveries(tmp_path)
+    assert [e.recovery_policy for e in events] == ["reroute", "reroute"]
+    assert all(e.copied_bytes == 0 for e in events)
+    assert [e.fault_tolerance for e in events] == [1, 1]  # each layer keeps 2 live replicas
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.slow
+def test_reroute_a_middle_stage_in_validation_and_a_last_stage_in_a_checkpoint(
+    tmp_path: Path, loop_reference: dict[str, Any]
+) -> None:
+    """7 nodes: pipelines (0, 1, 2), (3, 4), (5, 6) of unequal splits. The middle stage node 1 dies in the
+    validation after step 3 (its layers run on both other pipelines, whose stages split them differently);
+    the last stage node 4 dies in the checkpoint save of step 4."""
+    faults = {(1, 3): Fault(signal.SIGKILL, VALIDATION), (4, 4): Fault(signal.SIGKILL, CHECKPOINT)}
+    trainer = fit_loop(tmp_path, LoopFaults(tmp_path, faults), 7, recovery_policy="reroute")
+    check_loop(trainer, tmp_path, loop_reference, dead={1, 4}, num_nodes=7)
+    assert [e.recovery_policy for e in recoveries(tmp_path)] == ["reroute", "reroute"]
+
+
+@pytest.mark.timeout(400)
+@pytest.mark.slow
+def test_a_replacement_node_ends_the_rerouting(tmp_path: Path, loop_reference: dict[str, Any]) -> None:
+    """Rank 0 dies in step 1 and its pipeline is rerouted; the launcher's replacement joins at a step
+    boundary, which re-instantiates: the pipelines whole again (f back to 2), the replacement holding the
+    lost stage's layers, copied to it, and the run ends with the reference's weights on every worker."""
+    faults = HoldForTheReplacement(tmp_path, {(0, 1): Fault(signal.SIGKILL, FORWARD)})
+    trainer = fit_loop(tmp_path, faults, 6, replace_failed_after_s=0.2, recovery_policy="reroute")
+    replacement = 6
+    check_loop(trainer, tmp_path, loop_reference, dead={0}, num_nodes=6, joined={replacement})
+    failure, join = recoveries(tmp_path)
+    assert failure.recovery_policy == "reroute" and failure.copied_bytes == 0
+    assert join.added == [[replacement, 0]] and join.fault_tolerance == 2 and join.copied_bytes > 0
