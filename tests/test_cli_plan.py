@@ -90,6 +90,21 @@ def test_tables_without_json(plan13: Path, capsys) -> None:
     assert code == 0 and "Layer copies" in out
 
 
+def test_replan_with_rerouting_moves_nothing_and_names_the_choice(plan13: Path, capsys) -> None:
+    code, data, err = _run(
+        ["replan", "--plan", str(plan13), "--fail", "3", "--policy", "reroute", "--json"], capsys
+    )
+    assert code == 0, err
+    assert data["lost"] == [3] and data["copies"] == [] and data["reroutes"]
+    assert sorted(n for p in data["pipelines"] for n in p["nodes"]) == list(range(13))  # the layout stays
+    assert data["recovery"]["policy"] == "reroute"
+    assert {c["policy"] for c in data["recovery"]["candidates"]} == {"reinstantiate", "reroute"}
+    code, out, _ = _run(["replan", "--plan", str(plan13), "--fail", "3", "--policy", "auto"], capsys)
+    assert code == 0 and "recovered by" in out and "samples before the next failure" in out
+    code, out, _ = _run(["replan", "--plan", str(plan13), "--fail", "3", "--policy", "reroute"], capsys)
+    assert code == 0 and "(lost:" in out  # the damaged pipeline names its lost node and the helpers
+
+
 @pytest.mark.parametrize(
     ("argv", "message"),
     [
@@ -111,6 +126,8 @@ def test_bad_plan_input_is_one_line_exit_2(argv: list[str], message: str, capsys
         (["--fail", "3,99"], "node id(s) [99] are not in the plan"),
         (["--fail", "3,x"], "--fail takes comma-separated node ids"),
         (["--fail", ",".join(map(str, range(12)))], "no pipeline fits"),
+        (["--fail", "3,99", "--policy", "reroute"], "node id(s) [99] are not in the plan"),
+        (["--add", "2", "--policy", "auto"], "give it with --fail, not --add"),
     ],
 )
 def test_bad_replan_input_is_one_line_exit_2(plan13: Path, argv: list[str], message: str, capsys) -> None:

@@ -3,7 +3,8 @@
 ``oobleck plan`` prints the templates (stages per node) and the pipelines (nodes, micro-batches,
 predicted time) of the fastest plan with at least ``f + 1`` pipelines; ``--json`` prints the plan's
 JSON (the schema in docs/planning.md), which ``oobleck replan --plan`` reads back with ``--fail`` or
-``--add``. Bad input exits with status 2 and one line naming the problem and the fix.
+``--add``; ``--fail`` with ``--policy reroute`` or ``auto`` shows the rerouted plan or the choice, each way's
+predicted step and copy. Bad input exits with status 2 and one line naming the problem and the fix.
 """
 
 from __future__ import annotations
@@ -22,7 +23,8 @@ from lightning_oobleck.planning.layout import layout_plan
 from lightning_oobleck.planning.plan import Plan
 from lightning_oobleck.planning.planner import with_templates
 from lightning_oobleck.planning.profile import ModelProfile
-from lightning_oobleck.planning.reconfigure import Reconfiguration, after_failures, after_joins
+from lightning_oobleck.planning.reconfigure import Reconfiguration, after_joins
+from lightning_oobleck.planning.reroute import RECOVERY_POLICIES, choose_recovery
 from lightning_oobleck.planning.schedules import SCHEDULE_NAMES
 
 _FLAG_KEYS = {
@@ -113,6 +115,18 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     change = replan.add_mutually_exclusive_group(required=True)
     change.add_argument("--fail", help="comma-separated ids of failed nodes, e.g. 3,7")
     change.add_argument("--add", type=int, help="number of nodes joining (they get fresh ids)")
+    replan.add_argument(
+        "--policy",
+        choices=RECOVERY_POLICIES,
+        default="reinstantiate",
+        help="with --fail: re-instantiate, reroute (ReCycle) or the better predicted (recovery_policy)",
+    )
+    replan.add_argument(
+        "--failure-interval-s",
+        type=float,
+        default=3600.0,
+        help="with --policy auto: the expected time to the next failure (failure_interval_s)",
+    )
     replan.add_argument("--json", action="store_true", help="print the new plan and its copies as JSON")
     replan.set_defaults(func=run_replan)
 
@@ -158,9 +172,15 @@ def run_replan(args: argparse.Namespace) -> int:
             failed = [int(x) for x in args.fail.split(",") if x.strip()]
         except ValueError as e:
             raise CliError(f"--fail takes comma-separated node ids such as 3,7, got {args.fail!r}") from e
-        result = after_failures(plan, failed)
-    else:
-        result = after_joins(plan, args.add)
+        choice = choose_recovery(plan, failed, args.policy, args.failure_interval_s)
+        result = choice.reconfiguration
+        _print({**result.to_dict(), "recovery": choice.to_dict()}, result.plan, args.json, result)
+        if not args.json:
+            Console().print(f"recovered by {choice.policy}: " + "; ".join(map(str, choice.candidates)))
+        return 0
+    if args.policy != "reinstantiate":
+        raise CliError("--policy chooses how failures are recovered from: give it with --fail, not --add")
+    result = after_joins(plan, args.add)
     _print(result.to_dict(), result.plan, args.json, result)
     return 0
 
@@ -212,11 +232,16 @@ def _pipelines_table(plan: Plan) -> Table:
     table = Table(title="Pipelines")
     for name in ("#", "template nodes", "cluster nodes", "micro-batches", "predicted (s)"):
         table.add_column(name, justify="right" if name != "cluster nodes" else "left")
+    helpers = {(r.pipeline, r.stage): r.helpers for r in plan.reroutes}
     for i, p in enumerate(plan.pipelines):
+        nodes = [
+            f"{n} (lost: pipelines {', '.join(map(str, helpers[(i, s)]))})" if (i, s) in helpers else str(n)
+            for s, n in ((s, p.worker_of_stage(s).node) for s in range(len(p.stages)))
+        ]
         table.add_row(
             str(i),
             str(p.template.num_nodes),
-            ", ".join(map(str, p.nodes)),
+            ", ".join(dict.fromkeys(nodes)),
             str(p.microbatches),
             f"{p.iteration_time_s():.3f}",
         )

@@ -95,6 +95,7 @@ def draw_timeline(
                 change = "\n".join(
                     [f"lost node {', '.join(map(str, lost))}"] * bool(lost)
                     + [f"node {', '.join(map(str, joined))} joined"] * bool(joined)
+                    + [f"by {event.recovery_policy}"] * bool(event.recovery_policy)
                 )
                 before, after = _around(steps, start, event.resumed_at)
                 ax.annotate(

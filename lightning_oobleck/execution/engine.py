@@ -44,7 +44,7 @@ from lightning_oobleck.execution.tensor_parallel import (
     parallelize_stage,
 )
 from lightning_oobleck.planning.plan import Plan
-from lightning_oobleck.planning.reroute import shared_pairs, step_actions
+from lightning_oobleck.planning.reroute import affected, shared_pairs, step_actions
 from lightning_oobleck.planning.schedules import (
     Action,
     Op,
@@ -232,12 +232,13 @@ class PipelineEngine:
     @staticmethod
     def _actions(plan: Plan, groups: ProcessGroups, sync: GradientSync) -> tuple[list[Action], list[Action]]:
         """This worker's training and evaluation action lists under ``plan``, validated with its whole
-        pipeline's, or on a rerouted plan with every worker's (once per generation: the lists are the same
-        every step)."""
+        pipeline's; in a pipeline a rerouted plan changes (a damaged one or a helper), with those of every
+        such pipeline, merged (once per generation: the lists are the same every step)."""
         worker = groups.worker
-        if plan.reroutes:
+        touched = affected(plan)
+        if plan.role(*worker).pipeline in touched:  # the routes sharing workers with this one, merged
             buckets = {worker: sync.bucket_layers}
-            train, limits = step_actions(plan, groups.tensor_rank, buckets)
+            train, limits = step_actions(plan, groups.tensor_rank, buckets, pipelines=touched)
             if groups.backend == "nccl" and (shared := shared_pairs(plan)):
                 raise NotImplementedError(
                     f"this rerouted step sends two routes' micro-batches between workers {list(shared[0])}, "
@@ -245,7 +246,7 @@ class PipelineEngine:
                     "recovery_policy='reinstantiate' on NCCL"
                 )
             validate(train, limits, {worker: len(sync.bucket_layers)})
-            evaluation, _ = step_actions(plan, groups.tensor_rank, train=False)
+            evaluation, _ = step_actions(plan, groups.tensor_rank, train=False, pipelines=touched)
             validate(evaluation)
             return train[worker], evaluation[worker]
         role = plan.role(*worker)

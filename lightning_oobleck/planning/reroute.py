@@ -321,6 +321,10 @@ def choose_recovery(
     if policy not in RECOVERY_POLICIES:
         raise ValueError(f"recovery_policy must be one of {', '.join(RECOVERY_POLICIES)}, got {policy!r}")
     failed = sorted(set(failed))
+    if unknown := sorted(set(failed) - set(plan.nodes)):
+        raise ReconfigurationError(
+            f"node id(s) {unknown} are not in the plan; its nodes are {list(plan.nodes)}"
+        )
     big_b = plan.global_batch_size
     options: dict[str, Reconfiguration] = {}
     candidates: list[Candidate] = []

@@ -67,6 +67,7 @@ def check_rerouted(plan: Plan, failed: tuple[int, ...]) -> Plan:
 
 
 @pytest.mark.timeout(120)
+@pytest.mark.slow
 def test_every_failure_set_up_to_f_reroutes_exactly() -> None:
     """4 to 6 pipelines, every set of 1 or 2 lost nodes: the routes, the lists, f."""
     checked = 0
