@@ -22,6 +22,7 @@ from __future__ import annotations
 import json
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
+from functools import cached_property
 from pathlib import Path
 from typing import Any
 
@@ -287,13 +288,21 @@ class Plan:
         mbs = self.microbatch_range(pipeline)
         return range(mbs.start * self.microbatch_size, mbs.stop * self.microbatch_size)
 
+    @cached_property
+    def _roles(self) -> dict[Worker, WorkerRole]:
+        return {
+            w: WorkerRole(pi, si, s.layers, w.device - s.device)
+            for pi, p in enumerate(self.pipelines)
+            for si, s in enumerate(p.stages)
+            for w in p.workers_of_stage(si)
+        }
+
     def role(self, node: int, device: int = 0) -> WorkerRole:
         """The single stage that worker ``(node, device)`` runs."""
-        for pi, p in enumerate(self.pipelines):
-            for si, s in enumerate(p.stages):
-                if (node, device) in p.workers_of_stage(si):
-                    return WorkerRole(pi, si, s.layers, device - s.device)
-        raise KeyError(f"worker (node={node}, device={device}) has no stage in this plan")
+        try:
+            return self._roles[Worker(node, device)]
+        except KeyError:
+            raise KeyError(f"worker (node={node}, device={device}) has no stage in this plan") from None
 
     def layer_owners(self, layer: int, tensor_rank: int = 0) -> tuple[Worker, ...]:
         """The workers holding a replica of ``layer``, one per pipeline, in pipeline order: at tensor

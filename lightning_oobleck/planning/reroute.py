@@ -81,6 +81,11 @@ def reroute(plan: Plan, failed: Iterable[int]) -> Plan:
     Raises :class:`NotReroutable` when a layer has no live replica left or a route would run on one worker
     twice (its micro-batch would cross the same device at two depths).
     """
+    return _reroute(plan, failed)[0]
+
+
+def _reroute(plan: Plan, failed: Iterable[int]) -> tuple[Plan, float]:
+    """:func:`reroute`'s plan and its :func:`predict_step_s` (the simulation is the cost at scale: once)."""
     failed = tuple(failed)
     lost = frozenset(plan.lost) | frozenset(failed)
     unknown = sorted(set(failed) - {n for p in plan.pipelines for n in p.nodes})
@@ -123,7 +128,7 @@ def reroute(plan: Plan, failed: Iterable[int]) -> Plan:
     routes(rerouted)  # refuses a route through one worker twice
     before, after = predict_step_s(plan), predict_step_s(rerouted)
     step = plan.iteration_time_s * after / before if plan.iteration_time_s > 0 and before > 0 else after
-    return dataclasses.replace(rerouted, iteration_time_s=step)
+    return dataclasses.replace(rerouted, iteration_time_s=step), after
 
 
 def affected(plan: Plan) -> frozenset[int]:
@@ -339,14 +344,14 @@ def choose_recovery(
         candidates.append(Candidate("reinstantiate", infeasible=str(e)))
     if policy != "reinstantiate":
         try:
-            rerouted = reroute(plan, failed)
+            rerouted, step_s = _reroute(plan, failed)
             if not message_tags and (shared := shared_pairs(rerouted)):
                 raise NotReroutable(
                     f"workers {list(shared[0])} would carry two routes' micro-batches, which a backend "
                     "without message tags (NCCL) cannot keep apart"
                 )
             options["reroute"] = Reconfiguration(rerouted, ())
-            candidates.append(Candidate("reroute", predict_step_s(rerouted), 0.0))
+            candidates.append(Candidate("reroute", step_s, 0.0))
         except NotReroutable as e:
             candidates.append(Candidate("reroute", infeasible=str(e)))
     scored = tuple(

@@ -29,6 +29,7 @@ wait for the stages before it: with ``F = I = W`` its bubble is ``(S - 1)`` time
 
 from __future__ import annotations
 
+import heapq
 import itertools
 import math
 from collections import defaultdict
@@ -423,7 +424,8 @@ def merge(
     before work rerouted to it). Actions are taken in the order of their start times, so every receive in
     the result is taken after its send was made: the lists finish whatever the real durations (a deadlock
     would need a receive waiting for a send that comes later in this order). Work rerouted to a worker thus
-    lands where its own lists would wait: in their bubbles.
+    lands where its own lists would wait: in their bubbles. Each worker's first startable action waits in
+    a heap, re-offered only when the worker or a message to it moves: ``O(actions log workers)``.
     """
     units: dict[Worker, list[list[list[Action]]]] = defaultdict(list)
     for part in parts:
@@ -447,42 +449,57 @@ def merge(
     clock = dict.fromkeys(units, 0.0)
     arrivals: dict[tuple[Worker, Worker, Payload, int], float] = {}
     out: Schedule = {w: [] for w in units}
-    while True:
-        best: tuple[float, int, int, Worker] | None = None
-        for worker, chunks in units.items():
-            for k, chunk_list in enumerate(chunks):
-                if position[worker][k] >= len(chunk_list):
-                    continue
-                unit = chunk_list[position[worker][k]]
-                start = clock[worker]
-                for a in unit:
-                    if a.op is not Op.RECV:
-                        continue
+    order = {w: i for i, w in enumerate(units)}
+    version = dict.fromkeys(units, 0)
+    # Each worker's action that can start first, in a heap keyed (start, priority, part, worker order);
+    # an entry is stale once its worker's version moved on (its clock advanced or a message arrived).
+    ready: list[tuple[float, int, int, int, int, Worker]] = []
+
+    def offer(worker: Worker) -> None:
+        version[worker] += 1
+        best: tuple[float, int, int] | None = None
+        for k, chunk_list in enumerate(units[worker]):
+            if position[worker][k] >= len(chunk_list):
+                continue
+            unit = chunk_list[position[worker][k]]
+            start = clock[worker]
+            for a in unit:
+                if a.op is Op.RECV:
                     key = (a.peer, worker, a.payload, a.microbatch)
                     if key not in arrivals:
                         start = math.inf
                         break
                     start = max(start, arrivals[key])  # type: ignore[index]
-                if start == math.inf:
-                    continue
-                compute = next(a for a in unit if a.op in COMPUTE)
-                candidate = (start, _PRIORITY[compute.op], k, worker)
-                if best is None or candidate[:3] < best[:3]:
-                    best = candidate
-        if best is None:
-            break
-        start, _, k, worker = best
+            if start == math.inf:
+                continue
+            compute = next(a for a in unit if a.op in COMPUTE)
+            candidate = (start, _PRIORITY[compute.op], k)
+            if best is None or candidate < best:
+                best = candidate
+        if best is not None:
+            heapq.heappush(ready, (*best, order[worker], version[worker], worker))
+
+    for worker in units:
+        offer(worker)
+    while ready:
+        start, _, k, _, seen, worker = heapq.heappop(ready)
+        if seen != version[worker]:
+            continue
         unit = units[worker][k][position[worker][k]]
         position[worker][k] += 1
         compute = next(a for a in unit if a.op in COMPUTE)
         end = start + (duration(worker, compute) if duration is not None else 0.0)
+        clock[worker] = end
+        out[worker] += unit
+        peers = []
         for a in unit:
             if a.op is Op.SEND:
                 assert a.peer is not None and a.payload is not None
                 delay = transfer(worker, a.peer, a) if transfer is not None else 0.0
                 arrivals[(worker, a.peer, a.payload, a.microbatch)] = end + delay
-        clock[worker] = end
-        out[worker] += unit
+                peers.append(a.peer)
+        for w in dict.fromkeys([worker, *peers]):
+            offer(w)
     stuck = [(w, k) for w, ps in position.items() for k, at in enumerate(ps) if at < len(units[w][k])]
     if stuck:
         worker, k = stuck[0]

@@ -2,7 +2,7 @@
 SIGKILLed for real; the damaged pipelines keep their surviving stages, no state is copied, and the run ends
 with single-process training's weights, learning rates, logged losses, samples and checkpoints (the loop of
 :mod:`test_realistic_loop`: validation, checkpoints, loader workers, an LR schedule, clipping). A node that
-comes back ends the rerouting."""
+comes back ends the rerouting. ``recovery_policy="auto"`` takes both ways in one run."""
 
 from __future__ import annotations
 
@@ -16,6 +16,7 @@ from test_realistic_loop import CHECKPOINT, VALIDATION, LoopFaults, check_loop, 
 from test_rejoin_fit import HoldForTheReplacement
 
 from lightning_oobleck.lightning.units import EVENTS_FILE
+from lightning_oobleck.planning import Plan, choose_recovery
 from lightning_oobleck.recovery import read_events
 
 __all__ = ["loop_reference"]  # the fixture, shared with test_realistic_loop
@@ -69,3 +70,30 @@ def test_a_replacement_node_ends_the_rerouting(tmp_path: Path, loop_reference: d
     failure, join = recoveries(tmp_path)
     assert failure.recovery_policy == "reroute" and failure.copied_bytes == 0
     assert join.added == [[replacement, 0]] and join.fault_tolerance == 2 and join.copied_bytes > 0
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.slow
+def test_auto_reroutes_one_failure_and_reinstantiates_after_the_next(
+    tmp_path: Path, loop_reference: dict[str, Any]
+) -> None:
+    """``recovery_policy="auto"`` on 6 nodes, 3 pipelines of 2 stages: rank 0 dies in step 1 and rerouting
+    its first stage is predicted faster than re-instantiating 5 nodes; node 3 dies in step 5, when
+    rerouting a second pipeline through the first one's helpers is predicted slower than re-instantiating
+    the 4 live nodes from the templates, so auto re-instantiates from the rerouted plan. Each
+    decision is the cost model's (:func:`choose_recovery` on the same plans), and the run ends with
+    single-process training's weights."""
+    faults = {(0, 1): Fault(signal.SIGKILL, FORWARD), (3, 5): Fault(signal.SIGKILL, BACKWARD)}
+    trainer = fit_loop(tmp_path, LoopFaults(tmp_path, faults), 6, recovery_policy="auto")
+    check_loop(trainer, tmp_path, loop_reference, dead={0, 3}, num_nodes=6)
+    first = choose_recovery(Plan.load(tmp_path / "plan.json"), [0], "auto", 3600.0)
+    second = choose_recovery(first.reconfiguration.plan, [3], "auto", 3600.0)
+    assert (first.policy, second.policy) == ("reroute", "reinstantiate")
+    rerouted, reinstantiated = recoveries(tmp_path)
+    assert [rerouted.recovery_policy, reinstantiated.recovery_policy] == [first.policy, second.policy]
+    assert rerouted.candidates == [str(c) for c in first.candidates]
+    assert rerouted.copied_bytes == 0
+    # the plans the run switched to are the chosen ones: the rerouted layout, then pipelines whole again
+    assert rerouted.predicted_step_s == pytest.approx(first.reconfiguration.plan.iteration_time_s)
+    assert reinstantiated.predicted_step_s == pytest.approx(second.reconfiguration.plan.iteration_time_s)
+    assert not second.reconfiguration.plan.reroutes and len(second.reconfiguration.plan.pipelines) == 2
