@@ -21,8 +21,12 @@ policy that trains the most by measurement and the one ``auto`` picked. Last, th
 ReCycle's staggered optimizer would take off a step at most. ``--plot PATH``: the timeline of a rerouted step
 (one failure, the first plan), rerouted micro-batches hatched.
 
+``--sweep M ...`` runs nothing: the cost model's throughput after one failure under both policies, for each
+schedule, ``--pipelines`` and micro-batches per pipeline in ``M``: where rerouting can win, and by how much.
+
     python benchmarks/failure_throughput.py [--pipelines 4 6] [--microbatches 4] [--layer-ms 5]
         [--schedule zb-h1] [--layer-state-gb 2] [--horizon-s 60] [--steps 4] [--plot PATH]
+    python benchmarks/failure_throughput.py --sweep 1 2 3 4 8 [--pipelines 4 5 6]
 """
 
 from __future__ import annotations
@@ -167,8 +171,12 @@ def main() -> None:
     parser.add_argument("--horizon-s", type=float, default=60.0, help="expected time to the next failure")
     parser.add_argument("--steps", type=int, default=4)
     parser.add_argument("--plot", help="write the timeline of a rerouted step (PNG) here")
+    parser.add_argument("--sweep", type=int, nargs="+", help="micro-batches per pipeline: predictions only")
     args = parser.parse_args()
     console = Console(width=200)
+    if args.sweep:
+        sweep(args, console)
+        return
     table = Table(
         title=f"Throughput after failures: 4-stage pipelines of {args.microbatches} micro-batches, "
         f"{args.schedule}, "
@@ -269,6 +277,33 @@ def main() -> None:
         + ", ".join(f"{n} pipelines {ms:.2f} ms" for n, ms in commit_ms.items())
         + "; a staggered optimizer would take at most this off each step."
     )
+
+
+def sweep(args: argparse.Namespace, console: Console) -> None:
+    """The cost model's throughput after losing a middle stage of pipeline 0, against before, per policy."""
+    table = Table(title="Predicted throughput after one failure / before (cost model, no processes)")
+    for column in ("schedule", "micro-batches", "pipelines", "reinstantiate", "reroute", "ratio", "ideal"):
+        table.add_column(column, justify="right")
+    for schedule in ("1f1b", "zb-h1"):
+        for m in args.sweep:
+            for pipelines in args.pipelines:
+                plan = failure_free_plan(
+                    pipelines, argparse.Namespace(**{**vars(args), "microbatches": m, "schedule": schedule})
+                )
+                failed = [plan.pipelines[0].nodes[1]]
+                before = predict_step_s(plan)
+                again = before / predict_step_s(after_failures(plan, failed).plan)
+                rerouted = before / predict_step_s(reroute(plan, failed))
+                table.add_row(
+                    schedule,
+                    str(m),
+                    str(pipelines),
+                    f"{again:.3f}",
+                    f"{rerouted:.3f}",
+                    f"{rerouted / again:.3f}",
+                    f"{(len(plan.nodes) - 1) / len(plan.nodes):.3f}",
+                )
+    console.print(table)
 
 
 def _first(results: dict[int, Any], key: str) -> int:

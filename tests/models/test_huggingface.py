@@ -1,9 +1,9 @@
 """Hugging Face GPT-2 (tied embeddings) and Llama (rotary positions, left padding) as the example writes
 them (``examples/hf/train.py``), trained with ``strategy="oobleck"`` on 4 real processes: the weights equal
 the unmodified ``GPT2LMHeadModel`` / ``LlamaForCausalLM`` trained in one process on the same global batches
-from the same initial weights (float64, 1e-9), on two heterogeneous layouts and through a SIGKILL of the
-rank holding the LM head (GPT-2) or of rank 0 (Llama). The initial weights follow the model's own
-``_init_weights`` on every layout."""
+from the same initial weights (float64, 1e-9), on two heterogeneous layouts, through a SIGKILL of the rank
+holding the embedding or the LM head (re-instantiated), and of the embedding's rank rerouted. The initial
+weights follow the model's own ``_init_weights`` on every layout."""
 
 from __future__ import annotations
 
@@ -166,6 +166,30 @@ def test_recovers_from_a_sigkill_to_the_weights_of_the_unmodified_model(
     assert all(
         p.stages[0].first_layer == 0 and p.stages[1].end_layer == plan.num_layers for p in plan.pipelines
     )
+
+
+@pytest.mark.timeout(180)
+def test_reroutes_a_lost_embedding_to_the_weights_of_the_unmodified_model(
+    reference: tuple, tmp_path: Path
+) -> None:
+    """``recovery_policy="reroute"`` on the two 2-stage pipelines above: rank 0 (the embedding; GPT-2's tie
+    in its canonical layer) is SIGKILLed at step 2 and its pipeline's micro-batches take the other
+    pipeline's first stage (rank 2) and their own last stage (rank 1). Nothing is copied, and the weights are
+    the unmodified model's."""
+    name, expected = reference
+    weights = fit(
+        name,
+        tmp_path,
+        [KillAt(0, 2)],
+        fault_tolerance=1,
+        planner={"cluster": {"device_memory_bytes": {"gpt2": 8e6, "llama": 6e6}[name]}},
+        recovery_policy="reroute",
+        collective_timeout_s=20,
+        heartbeat_timeout_s=8.0,
+    )
+    assert_same(weights, expected)
+    (event,) = read_events(tmp_path / EVENTS_FILE)[1]
+    assert event.removed == [[0, 0]] and event.recovery_policy == "reroute" and event.copied_bytes == 0
 
 
 class FirstPlan(L.Callback):
