@@ -11,7 +11,17 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from test_fault_matrix import BACKWARD, FORWARD, Fault
+import torch
+from test_fault_matrix import (
+    BACKWARD,
+    FORWARD,
+    SPLIT_TIMEOUT_S,
+    Fault,
+    check,
+    fit_with_faults,
+    planned_split,
+    reference,
+)
 from test_realistic_loop import CHECKPOINT, VALIDATION, LoopFaults, check_loop, fit_loop, loop_reference
 from test_rejoin_fit import HoldForTheReplacement
 
@@ -19,11 +29,17 @@ from lightning_oobleck.lightning.units import EVENTS_FILE
 from lightning_oobleck.planning import Plan, choose_recovery
 from lightning_oobleck.recovery import read_events
 
-__all__ = ["loop_reference"]  # the fixture, shared with test_realistic_loop
+__all__ = ["loop_reference", "reference"]  # the fixtures, shared with test_realistic_loop, test_fault_matrix
 
 
 def recoveries(out: Path) -> list[Any]:
+    """The recovery events of a run of :func:`fit_loop` (its logger's folder)."""
     return read_events(out / "logs" / "version_0" / EVENTS_FILE)[1]
+
+
+def recoveries_in(out: Path) -> list[Any]:
+    """The recovery events of a run of :func:`fit_with_faults` (no logger)."""
+    return read_events(out / EVENTS_FILE)[1]
 
 
 @pytest.mark.timeout(300)
@@ -97,3 +113,41 @@ def test_auto_reroutes_one_failure_and_reinstantiates_after_the_next(
     assert rerouted.predicted_step_s == pytest.approx(first.reconfiguration.plan.iteration_time_s)
     assert reinstantiated.predicted_step_s == pytest.approx(second.reconfiguration.plan.iteration_time_s)
     assert not second.reconfiguration.plan.reroutes and len(second.reconfiguration.plan.pipelines) == 2
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.slow
+def test_reroute_a_whole_node_of_two_processes(tmp_path: Path, reference: dict[str, torch.Tensor]) -> None:
+    """3 nodes of 2 processes, one 2-stage pipeline on each. Device 0 of node 1 is SIGKILLed in a forward of
+    step 1: the node is out (its device 1 fenced) and its whole pipeline is gone; its micro-batches run on
+    the two other nodes' stages, nothing copied."""
+    faults = {(1, 1): Fault(signal.SIGKILL, FORWARD, device=0)}
+    trainer = fit_with_faults(tmp_path, faults, num_nodes=3, devices_per_node=2, recovery_policy="reroute")
+    check(trainer, tmp_path, reference, dead={1}, num_nodes=3, devices_per_node=2)
+    (event,) = recoveries_in(tmp_path)
+    assert sorted(map(tuple, event.removed)) == [(1, 0), (1, 1)]
+    assert event.recovery_policy == "reroute" and event.copied_bytes == 0
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.slow
+def test_reroute_a_stage_split_over_two_processes(tmp_path: Path, reference: dict[str, torch.Tensor]) -> None:
+    """Tensor parallelism 2: 4 nodes of 2 processes, two pipelines of 2 nodes, each stage on both processes
+    of its node. Global rank 0 (a first stage) is SIGKILLed in a forward of step 1: pipeline 0's
+    micro-batches take the other pipeline's first stage, each shard on its counterpart of the same tensor
+    rank; nothing is copied."""
+    plan = planned_split(4)
+    assert [p.nodes for p in plan.pipelines] == [(0, 1), (2, 3)] and plan.tensor_parallel == 2
+    faults = {(0, 1): Fault(signal.SIGKILL, FORWARD, device=0)}
+    trainer = fit_with_faults(
+        tmp_path,
+        faults,
+        num_nodes=4,
+        devices_per_node=2,
+        plan=plan,
+        collective_timeout_s=SPLIT_TIMEOUT_S,
+        recovery_policy="reroute",
+    )
+    check(trainer, tmp_path, reference, dead={0}, num_nodes=4, devices_per_node=2)
+    (event,) = recoveries_in(tmp_path)
+    assert event.recovery_policy == "reroute" and event.copied_bytes == 0
