@@ -394,24 +394,35 @@ def test_whole_nodes_of_two_processes(tmp_path: Path, reference: dict[str, torch
 
 @pytest.mark.timeout(300)
 @pytest.mark.slow
+@pytest.mark.parametrize("recovery_policy", ["reinstantiate", "reroute"])
 def test_a_stage_split_over_two_processes_loses_global_rank_0(
-    tmp_path: Path, reference: dict[str, torch.Tensor]
+    tmp_path: Path, reference: dict[str, torch.Tensor], recovery_policy: str
 ) -> None:
     """Tensor parallelism 2: 4 nodes of 2 processes, each stage on both (its layers split by TinyNet's plan),
     two pipelines of 2 nodes. Global rank 0 (device 0 of node 0, a first stage) is SIGKILLed mid-step 1: its
-    node is out, its device 1 fenced; the 3 survivors form one pipeline of 3 stages, each device receiving
-    its own shards of the layers it newly holds from its counterpart, and every kept layer split anew over
-    the new generation's devices."""
+    node is out, its device 1 fenced. Re-instantiated, the 3 survivors form one pipeline of 3 stages, each
+    device receiving its own shards of the layers it newly holds from its counterpart, and every kept layer
+    split anew over the new generation's devices. Rerouted, pipeline 0's micro-batches take the other
+    pipeline's first stage, each shard's work on its counterpart of the same tensor rank: nothing copied."""
     plan = planned_split(4)
     assert [p.nodes for p in plan.pipelines] == [(0, 1), (2, 3)] and plan.tensor_parallel == 2
     faults = {(0, 1): Fault(signal.SIGKILL, FORWARD, device=0)}
     trainer = fit_with_faults(
-        tmp_path, faults, num_nodes=4, devices_per_node=2, plan=plan, collective_timeout_s=SPLIT_TIMEOUT_S
+        tmp_path,
+        faults,
+        num_nodes=4,
+        devices_per_node=2,
+        plan=plan,
+        collective_timeout_s=SPLIT_TIMEOUT_S,
+        recovery_policy=recovery_policy,
     )
     check(trainer, tmp_path, reference, dead={0}, num_nodes=4, devices_per_node=2)
     _, recoveries = read_events(tmp_path / EVENTS_FILE)
     assert [sorted(map(tuple, e.removed)) for e in recoveries] == [[(0, 0), (0, 1)]]
-    assert recoveries[0].copied_bytes > 0
+    if recovery_policy == "reroute":
+        assert recoveries[0].recovery_policy == "reroute" and recoveries[0].copied_bytes == 0
+    else:
+        assert recoveries[0].copied_bytes > 0
 
 
 class HoldForTheReplacement(L.Callback):

@@ -12,16 +12,7 @@ from typing import Any
 
 import pytest
 import torch
-from test_fault_matrix import (
-    BACKWARD,
-    FORWARD,
-    SPLIT_TIMEOUT_S,
-    Fault,
-    check,
-    fit_with_faults,
-    planned_split,
-    reference,
-)
+from test_fault_matrix import BACKWARD, FORWARD, Fault, check, fit_with_faults, reference
 from test_realistic_loop import CHECKPOINT, VALIDATION, LoopFaults, check_loop, fit_loop, loop_reference
 from test_rejoin_fit import HoldForTheReplacement
 
@@ -126,28 +117,4 @@ def test_reroute_a_whole_node_of_two_processes(tmp_path: Path, reference: dict[s
     check(trainer, tmp_path, reference, dead={1}, num_nodes=3, devices_per_node=2)
     (event,) = recoveries_in(tmp_path)
     assert sorted(map(tuple, event.removed)) == [(1, 0), (1, 1)]
-    assert event.recovery_policy == "reroute" and event.copied_bytes == 0
-
-
-@pytest.mark.timeout(300)
-@pytest.mark.slow
-def test_reroute_a_stage_split_over_two_processes(tmp_path: Path, reference: dict[str, torch.Tensor]) -> None:
-    """Tensor parallelism 2: 4 nodes of 2 processes, two pipelines of 2 nodes, each stage on both processes
-    of its node. Global rank 0 (a first stage) is SIGKILLed in a forward of step 1: pipeline 0's
-    micro-batches take the other pipeline's first stage, each shard on its counterpart of the same tensor
-    rank; nothing is copied."""
-    plan = planned_split(4)
-    assert [p.nodes for p in plan.pipelines] == [(0, 1), (2, 3)] and plan.tensor_parallel == 2
-    faults = {(0, 1): Fault(signal.SIGKILL, FORWARD, device=0)}
-    trainer = fit_with_faults(
-        tmp_path,
-        faults,
-        num_nodes=4,
-        devices_per_node=2,
-        plan=plan,
-        collective_timeout_s=SPLIT_TIMEOUT_S,
-        recovery_policy="reroute",
-    )
-    check(trainer, tmp_path, reference, dead={0}, num_nodes=4, devices_per_node=2)
-    (event,) = recoveries_in(tmp_path)
     assert event.recovery_policy == "reroute" and event.copied_bytes == 0
