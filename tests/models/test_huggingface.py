@@ -169,6 +169,7 @@ def test_recovers_from_a_sigkill_to_the_weights_of_the_unmodified_model(
 
 
 @pytest.mark.timeout(180)
+@pytest.mark.slow
 def test_reroutes_a_lost_embedding_to_the_weights_of_the_unmodified_model(
     reference: tuple, tmp_path: Path
 ) -> None:
