@@ -160,7 +160,7 @@ class LightningLoop:
             join_policy=JoinPolicy(config.join_policy),
             admission=admission,
             recovery_policy=config.recovery_policy,
-            failure_interval_s=config.failure_interval_s,
+            recovery_horizon_s=config.recovery_horizon_s,
         )
         # The log directory is agreed by a broadcast: a unit, recovered like the others.
         root = Path(trainer.log_dir or trainer.default_root_dir)

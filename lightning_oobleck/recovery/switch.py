@@ -59,7 +59,8 @@ class RecoveryPolicy:
     """How failures are recovered from (:func:`~lightning_oobleck.planning.reroute.choose_recovery`)."""
 
     policy: str = "reinstantiate"
-    failure_interval_s: float = 3600.0
+    horizon_s: float = 3600.0
+    """How long the layout chosen after a failure is expected to last (:func:`choose_recovery`'s horizon)."""
     message_tags: bool = True
     """Whether the backend keeps tagged streams apart (gloo does, NCCL does not)."""
 
@@ -84,7 +85,7 @@ def next_plan(
                 plan,
                 failed,
                 recovery.policy,
-                recovery.failure_interval_s,
+                recovery.horizon_s,
                 message_tags=recovery.message_tags,
             )
             if event is not None:

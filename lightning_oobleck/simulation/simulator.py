@@ -27,8 +27,10 @@ policies charge, on the same trace:
     (:func:`~lightning_oobleck.planning.reroute.choose_recovery`): a failure reroutes the damaged pipelines'
     lost stages to other pipelines' replicas (no copy, the rerouted plan's slower step; re-instantiation
     where a layer has no live replica left), or, under ``auto``, does whichever trains more samples before
-    the next failure, expected after the trace's mean time between failures. Nodes that come back join as
-    under ``oobleck`` (a re-instantiation, the rerouted pipelines whole again).
+    the layout changes again: the next failure or the lost node's return, whichever comes first (a return
+    ends a rerouting, and both ways pay its copy), expected after ``1 / (1 / MTBF + 1 / repair)`` from the
+    trace's mean time between failures and mean repair time. Nodes that come back join as under ``oobleck``
+    (a re-instantiation, the rerouted pipelines whole again).
 ``checkpoint-restart``
     A checkpoint every ``checkpoint_interval_s`` of training (Young/Daly's ``sqrt(2 C MTBF)`` by default,
     ``C`` the write time and MTBF the trace's), blocking for the write. A loss of a running node loses the
@@ -426,7 +428,10 @@ def simulate_oobleck(
     strategy's ``recovery_policy``."""
     name: PolicyName = "oobleck" if recovery == "reinstantiate" else f"oobleck-{recovery}"  # type: ignore[assignment]
     inputs, result, clock, restarts, machines = _start(name, plan, trace, costs, oobleck=True)
-    between_failures_s = trace.horizon_s / max(trace.failures, 1)
+    # auto's horizon: how long the layout lasts, until the next failure or (rejoining) the lost node's return
+    lasts_s = trace.horizon_s / max(trace.failures, 1)
+    if rejoin and (repair_s := trace.mean_repair_s):
+        lasts_s = 1 / (1 / lasts_s + 1 / max(repair_s, 1e-9))
     machines.standby_ready_s = costs.standby_start_s
     current: Plan | None = plan
     waiting: list[int] = []  # machines back, not yet admitted
@@ -465,9 +470,7 @@ def simulate_oobleck(
             restarts.train_until(t, interrupted=True)
             started = time.perf_counter()
             try:
-                choice = choose_recovery(
-                    current, lost, recovery, between_failures_s, costs.state_copy_link_share
-                )
+                choice = choose_recovery(current, lost, recovery, lasts_s, costs.state_copy_link_share)
                 current = switch(choice.reconfiguration, started, pause_s)
             except ReconfigurationError:
                 result.events += 1

@@ -72,6 +72,20 @@ class Trace:
     def failures(self) -> int:
         return sum(e.kind == "fail" for e in self.events)
 
+    @property
+    def mean_repair_s(self) -> float | None:
+        """The mean time from a node's failure to its return, over the nodes that return (``None``: none
+        do)."""
+        failed_at: dict[int, float] = {}
+        repairs: list[float] = []
+        for e in self.events:
+            for node in e.nodes:
+                if e.kind == "fail":
+                    failed_at[node] = e.time_s
+                else:
+                    repairs.append(e.time_s - failed_at.pop(node))
+        return sum(repairs) / len(repairs) if repairs else None
+
     def to_dict(self) -> dict[str, Any]:
         return {
             "num_nodes": self.num_nodes,

@@ -261,3 +261,29 @@ def test_losing_the_coordinators_machine_costs_a_failover_or_with_its_standby_a_
     # a machine other than the batch host: in place, as before
     other = simulate_oobleck(plan, Trace(8, horizon, (NodeEvent(HOUR + 5.0, "fail", (3,)),)), costs)
     assert other.coordinator_failures == 0 and other.recovery_s < Costs().restart_s
+
+
+@pytest.mark.parametrize("repair_s", [360.0, None])
+def test_auto_weighs_a_layout_until_the_lost_node_returns(repair_s: float | None) -> None:
+    """Three failures 2 h apart on links slow enough that a re-instantiation's copy takes minutes. Nodes back
+    after 6 minutes: a rerouted layout only has to last until the return (which both ways pay a copy for), so
+    auto's horizon is the expected time to the next failure or the return, ``1 / (1 / MTBF + 1 / repair)``,
+    and auto reroutes where weighing the time between failures alone re-instantiated: it trains more than
+    re-instantiation. Nodes that never return: auto re-instantiates, ahead of rerouting throughout."""
+    profile = synthetic_gpt_profile(16, 2048, 1024, microbatch_size=2)
+    slow = ClusterSpec(8, 1, inter_node_bandwidth=5e7)
+    plan = make_plan(profile, slow, fault_tolerance=1, global_batch_size=256)  # 4 pipelines of 2 nodes
+    events = []
+    for k, node in enumerate((1, 4, 6)):
+        events.append(NodeEvent((2 * k + 1) * HOUR, "fail", (node,)))
+        if repair_s is not None:
+            events.append(NodeEvent((2 * k + 1) * HOUR + repair_s, "return", (node,)))
+    trace = Trace(8, 7 * HOUR, tuple(events))
+    assert trace.mean_repair_s == repair_s
+    policies = ("oobleck", "oobleck-reroute", "oobleck-auto")
+    costs = Costs(oobleck_checkpoint_interval_s=20 * HOUR)
+    reinstantiated, rerouted, auto = (r.samples for r in simulate(plan, trace, policies, costs))
+    if repair_s is not None:
+        assert auto > reinstantiated
+    else:
+        assert auto == reinstantiated > rerouted
