@@ -317,8 +317,9 @@ def choose_recovery(
     compute; the gradient sync, about the same either way, is left out) and, for
     re-instantiation, the state copy over the nodes' links at ``link_share`` of their bandwidth
     (:func:`~lightning_oobleck.planning.reconfigure.copy_time_s`); ``auto`` takes the one that trains the
-    most samples over ``horizon_s``, the expected time to the next failure (Odyssey's score, ``B / step``
-    times the share of the horizon left after the transition), rerouting on a tie. ``reroute`` falls back to
+    most samples over ``horizon_s``, how long the chosen layout is expected to last: until the next failure,
+    or the lost nodes' return, which ends a rerouting (Odyssey's score, ``B / step`` times the share of the
+    horizon left after the transition), rerouting on a tie. ``reroute`` falls back to
     re-instantiation where rerouting is impossible (a layer without a live replica, a route through one
     worker twice, or with ``message_tags=False``, as under NCCL, two routes between one pair of workers).
     Raises :class:`~lightning_oobleck.planning.reconfigure.ReconfigurationError` when neither way exists.
