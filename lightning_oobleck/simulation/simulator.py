@@ -431,7 +431,7 @@ def simulate_oobleck(
     # auto's horizon: how long the layout lasts, until the next failure or (rejoining) the lost node's return
     lasts_s = trace.horizon_s / max(trace.failures, 1)
     if rejoin and (repair_s := trace.mean_repair_s):
-        lasts_s = 1 / (1 / lasts_s + 1 / max(repair_s, 1e-9))
+        lasts_s = 1 / (1 / lasts_s + 1 / repair_s)
     machines.standby_ready_s = costs.standby_start_s
     current: Plan | None = plan
     waiting: list[int] = []  # machines back, not yet admitted
