@@ -363,14 +363,15 @@ def simulate(
     schedule: Mapping[Worker, Sequence[Action]],
     duration: Callable[[Worker, Action], float] | None = None,
     transfer: Callable[[Worker, Worker, Action], float] | None = None,
+    start: Mapping[Worker, float] | None = None,
 ) -> dict[Worker, list[Timing]]:
-    """Run the lists together on idealised devices: each worker does one action at a time, compute
-    takes ``duration(worker, action)``, a sent message arrives ``transfer(sender, receiver, action)``
-    after its ``SEND`` (which does not block), a ``RECV`` waits for it; ``REDUCE`` is issued and not
-    waited for. Returns every action's timing; raises :class:`ScheduleError` naming the blocked actions
-    when the lists cannot finish (a deadlock)."""
+    """Run the lists together on idealised devices: each worker does one action at a time, from
+    ``start[worker]`` (default 0), compute takes ``duration(worker, action)``, a sent message arrives
+    ``transfer(sender, receiver, action)`` after its ``SEND`` (which does not block), a ``RECV`` waits for
+    it; ``REDUCE`` is issued and not waited for. Returns every action's timing; raises
+    :class:`ScheduleError` naming the blocked actions when the lists cannot finish (a deadlock)."""
     position = dict.fromkeys(schedule, 0)
-    clock = dict.fromkeys(schedule, 0.0)
+    clock = {worker: (start or {}).get(worker, 0.0) for worker in schedule}
     timings: dict[Worker, list[Timing]] = {worker: [] for worker in schedule}
     arrivals: dict[tuple[Worker, Worker, Payload, int], float] = {}
     progressed = True

@@ -11,9 +11,12 @@ import pytest
 
 from lightning_oobleck.planning import ClusterSpec, Plan, ReconfigurationError, make_plan
 from lightning_oobleck.planning.profile import LayerProfile, ModelProfile
+from lightning_oobleck.planning.reconfigure import after_failures
 from lightning_oobleck.planning.reroute import (
     NotReroutable,
     choose_recovery,
+    phase_duration,
+    predict_staggered_step_s,
     predict_step_s,
     reroute,
     routes,
@@ -112,6 +115,25 @@ def check_bubbles_absorb(plan: Plan) -> None:
     most = math.ceil(plan.pipelines[0].microbatches / len(reroute_of.helpers))  # the busiest helper's share
     extra = most * plan.pipelines[0].template.stage_times_s[1]
     assert before < rerouted.iteration_time_s < before + extra - 1e-6
+
+
+def test_a_staggered_optimizer_saves_only_the_skew_of_the_workers_ends() -> None:
+    """Starting each worker's next step once the replicas of its layers finished (ReCycle's staggered
+    optimizer) is never slower than the commit's barrier, never faster than the busiest worker's compute,
+    saves nothing in a 1F1B pipeline alone, and saves where the pipelines' ends are skewed."""
+    one = planned(4, 0, 2, "1f1b", batch=8)
+    assert predict_staggered_step_s(one) == pytest.approx(predict_step_s(one), rel=1e-12)
+    plan = planned(8, 1, 2)  # 2 pipelines of 4 nodes
+    lost = [plan.pipelines[0].nodes[-1]]
+    again = after_failures(plan, lost).plan  # one heterogeneous pipeline of 7 stages
+    assert predict_staggered_step_s(again) < 0.98 * predict_step_s(again)
+    for layout in (one, plan, again, reroute(plan, lost), reroute(planned(16, 3, 2, batch=16), [1, 6])):
+        duration = phase_duration(layout)
+        busiest = max(
+            sum(duration(w, a) for a in actions if a.op in COMPUTE)
+            for w, actions in step_actions(layout)[0].items()
+        )
+        assert busiest - 1e-9 <= predict_staggered_step_s(layout) <= predict_step_s(layout) + 1e-9
 
 
 def test_the_json_form_keeps_the_rerouting() -> None:
