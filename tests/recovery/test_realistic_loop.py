@@ -281,6 +281,11 @@ def check_loop(
     assert {int(p.stem.split("-")[1].split(".")[0]) for p in out.glob("fault-*.json")} == dead
     survivors = {n for n in range(num_nodes) if n not in dead} | joined
     assert {int(p.stem[6:].split(".")[0]) for p in out.glob("final-*.pt")} == survivors
+    # the caller's module got the survivors' weights merged: what trainer.validate / test / save go on with
+    merged = trainer.lightning_module.state_dict()
+    assert merged.keys() == reference["weights"].keys()
+    for name, value in merged.items():
+        torch.testing.assert_close(value, reference["weights"][name], rtol=0, atol=1e-9, msg=f"merged {name}")
     for node in survivors:
         weights = torch.load(out / f"final-{node}.0.pt")
         for name, value in weights.items():
