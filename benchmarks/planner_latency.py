@@ -9,6 +9,13 @@ A second table plans the largest cell and a 70B-class model (80 layers, hidden 8
 nodes of 8 x 80 GB, recomputing activations where a split would not fit otherwise) under each schedule, at
 ``t = 1`` and with ``tensor_parallel="auto"`` (every degree planned, the fastest kept), and with
 ``schedule="auto"`` (both schedules planned).
+
+``--rerouting``: instead, what a rerouting costs on a recovery's critical path, per worker, on the 64-node x
+8-GPU job of ``oobleck simulate``'s example (docs/planning.md: 48 layers of hidden 4096, f = 2, global batch
+1024 of micro-batches of 1; 16 pipelines of 32 stages): ``choose_recovery`` (both ways predicted, the
+rerouted step merged and simulated) after losing a middle node of pipeline 0, then a worker's training lists
+under the chosen plan (from the same merge) and their validation, and the evaluation lists, which the engine
+makes at the first evaluation step.
 """
 
 from __future__ import annotations
@@ -20,7 +27,11 @@ from typing import Any
 from rich.console import Console
 from rich.table import Table
 
+from lightning_oobleck.config import load_config
 from lightning_oobleck.planning import ClusterSpec, ModelProfile, Plan, make_plan, synthetic_gpt_profile
+from lightning_oobleck.planning.config import PlannerConfig
+from lightning_oobleck.planning.reroute import affected, choose_recovery, step_actions
+from lightning_oobleck.planning.schedules import validate
 
 NODES = (8, 16, 24)
 GPUS = (1, 4, 8)
@@ -37,6 +48,16 @@ PAPER_S = {
     (24, 8): (15.59, 49.25, 520.08, 3297.92),
 }
 """The paper's Table 3: planning seconds per (nodes, GPUs per node), for 24 / 32 / 64 / 96 layers."""
+REROUTING_JOB = {
+    "cluster.num_nodes": 64,
+    "cluster.gpus_per_node": 8,
+    "model.layers": 48,
+    "model.hidden": 4096,
+    "fault_tolerance": 2,
+    "global_batch": 1024,
+    "microbatch": 1,
+}
+"""The job of ``oobleck simulate``'s example (docs/planning.md), as ``oobleck plan`` configures it."""
 MODELS = {24: (1024, 2048), 32: (2560, 2048), 64: (2560, 1024), 96: (2560, 1024)}
 """(hidden, sequence length) per layer count: GPT-3 Medium, GPT-3 2.7B, and deeper 2.7B-wide models."""
 A40 = {"device_memory_bytes": 48e9, "intra_node_bandwidth": 100e9, "inter_node_bandwidth": 25e9}
@@ -101,8 +122,12 @@ def settings_table(repeats: int) -> Table:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--rerouting", action="store_true", help="only rerouting's cost on the recovery path")
     args = parser.parse_args()
     console = Console(width=max(Console().width, 110))
+    if args.rerouting:
+        console.print(rerouting_table())
+        return
     table = Table(title="Planning latency (s): ours / paper (Table 3), f = 1, global batch 1024")
     table.add_column("nodes", justify="right")
     table.add_column("GPUs/node", justify="right")
@@ -135,6 +160,52 @@ def main() -> None:
         f"{plan.planning_s:.3f} (wall {wall:.3f})",
     )
     console.print(scale)
+
+
+def rerouting_table() -> Table:
+    """Seconds of CPU a rerouting adds to a recovery on every worker, step by step (see the module's doc)."""
+    job = load_config(PlannerConfig, None, [f"{key}={value}" for key, value in REROUTING_JOB.items()])
+    plan = job.make_plan(job.load_profile())
+    failed = [plan.pipelines[0].nodes[len(plan.pipelines[0].nodes) // 2]]
+    timings: list[tuple[str, float]] = []
+
+    def timed(name: str, work: Any) -> Any:
+        started = time.perf_counter()
+        result = work()
+        timings.append((name, time.perf_counter() - started))
+        return result
+
+    choice = timed(
+        "choose_recovery, policy reroute (both ways predicted)",
+        lambda: choose_recovery(plan, failed, "reroute"),
+    )
+    rerouted = choice.reconfiguration.plan
+    touched = affected(rerouted)
+    worker = rerouted.pipelines[1].workers_of_stage(1)[0]
+    buckets = {worker: [tuple(rerouted.role(*worker).layers)]}
+    train, limits = timed(
+        "a worker's training lists (the choice's merge)",
+        lambda: step_actions(rerouted, 0, buckets, True, touched),
+    )
+    timed("their validation", lambda: validate(train, limits, {worker: 1}))
+    recovery_s = sum(seconds for _, seconds in timings)
+    evaluation, _ = timed(
+        "evaluation lists (at the first evaluation step)",
+        lambda: step_actions(rerouted, 0, None, False, touched),
+    )
+    timed("their validation", lambda: validate(evaluation))
+    shape = f"{len(plan.pipelines)} pipelines of {len(plan.pipelines[0].stages)} stages"
+    table = Table(
+        title=f"Rerouting on the recovery path: 64 nodes x 8 GPUs, {shape}, "
+        f"{plan.pipelines[0].microbatches} micro-batches each; {choice.policy} chosen "
+        f"({len(touched)} pipelines touched)"
+    )
+    table.add_column("step")
+    table.add_column("s", justify="right")
+    for name, seconds in timings:
+        table.add_row(name, f"{seconds:.2f}")
+    table.add_row("the recovery's critical path (the first three)", f"{recovery_s:.2f}")
+    return table
 
 
 if __name__ == "__main__":

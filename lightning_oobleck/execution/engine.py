@@ -198,7 +198,8 @@ class PipelineEngine:
         if self._grad_sync is not None:
             self._grad_sync.close()
         self._grad_sync = GradientSync(module, groups, self.bucket_cap_bytes)
-        self.train_actions, self.eval_actions = self._actions(plan, groups, self._grad_sync)
+        self.train_actions = self._lists(train=True)
+        self._eval_actions: list[Action] | None = None
         self.microbatch_ids = tuple(sorted({a.microbatch for a in self.train_actions if a.op is Op.F}))
         """The global micro-batches this worker runs in a step: its pipeline's, and those rerouted to it."""
         b = plan.microbatch_size
@@ -229,44 +230,52 @@ class PipelineEngine:
             if plan.layer_owners(tie.layers[0], rank)[0] == groups.worker and (rank == 0 or is_split(p))
         ]
 
-    @staticmethod
-    def _actions(plan: Plan, groups: ProcessGroups, sync: GradientSync) -> tuple[list[Action], list[Action]]:
-        """This worker's training and evaluation action lists under ``plan``, validated with its whole
+    def _lists(self, train: bool) -> list[Action]:
+        """This worker's training or evaluation action list under its plan, validated with its whole
         pipeline's; in a pipeline a rerouted plan changes (a damaged one or a helper), with those of every
         such pipeline, merged (once per generation: the lists are the same every step)."""
-        worker = groups.worker
+        plan, groups, worker = self.plan, self.groups, self.groups.worker
+        sync = self._grad_sync
+        assert sync is not None
+        buckets = {worker: sync.bucket_layers} if train else None
         touched = affected(plan)
-        if plan.role(*worker).pipeline in touched:  # the routes sharing workers with this one, merged
-            buckets = {worker: sync.bucket_layers}
-            train, limits = step_actions(plan, groups.tensor_rank, buckets, pipelines=touched)
-            if groups.backend == "nccl" and (shared := shared_pairs(plan)):
+        if self.role.pipeline in touched:  # the routes sharing workers with this one, merged
+            if train and groups.backend == "nccl" and (shared := shared_pairs(plan)):
                 raise NotImplementedError(
                     f"this rerouted step sends two routes' micro-batches between workers {list(shared[0])}, "
                     "which NCCL cannot keep apart (it has no message tags): recover with "
                     "recovery_policy='reinstantiate' on NCCL"
                 )
-            validate(train, limits, {worker: len(sync.bucket_layers)})
-            evaluation, _ = step_actions(plan, groups.tensor_rank, train=False, pipelines=touched)
-            validate(evaluation)
-            return train[worker], evaluation[worker]
-        role = plan.role(*worker)
-        pipeline = plan.pipelines[role.pipeline]
-        num_stages = len(pipeline.stages)
-        # at t > 1, the devices of one tensor rank form a pipeline of their own: each sends to its counterpart
-        spec = PipelineSpec(
-            tuple(pipeline.workers_of_stage(s)[role.tensor_rank] for s in range(num_stages)),
-            tuple(tuple(s.layers) for s in pipeline.stages),
-            tuple(plan.microbatch_range(role.pipeline)),
-        )
-        train = pipeline_actions(spec, plan.schedule, {worker: sync.bucket_layers})
-        limits = {
-            w: in_flight_limit(plan.schedule, num_stages, s, pipeline.microbatches)
-            for s, w in enumerate(spec.workers)
-        }
-        validate(train, limits, {worker: len(sync.bucket_layers)})
-        evaluation = pipeline_actions(spec, plan.schedule, train=False)
-        validate(evaluation)
-        return train[worker], evaluation[worker]
+            lists, limits = step_actions(plan, groups.tensor_rank, buckets, train, touched)
+        else:
+            role = self.role
+            pipeline = plan.pipelines[role.pipeline]
+            num_stages = len(pipeline.stages)
+            # at t > 1, the devices of one tensor rank form a pipeline of their own: each sends to its
+            # counterpart
+            spec = PipelineSpec(
+                tuple(pipeline.workers_of_stage(s)[role.tensor_rank] for s in range(num_stages)),
+                tuple(tuple(s.layers) for s in pipeline.stages),
+                tuple(plan.microbatch_range(role.pipeline)),
+            )
+            lists = pipeline_actions(spec, plan.schedule, buckets, train)
+            limits = {
+                w: in_flight_limit(plan.schedule, num_stages, s, pipeline.microbatches)
+                for s, w in enumerate(spec.workers)
+            }
+        if train:
+            validate(lists, limits, {worker: len(sync.bucket_layers)})
+        else:
+            validate(lists)
+        return lists[worker]
+
+    @property
+    def eval_actions(self) -> list[Action]:
+        """This worker's evaluation list, made at the first evaluation step of a generation: a rerouted
+        plan's merge takes seconds at scale, which a recovery need not wait for."""
+        if self._eval_actions is None:
+            self._eval_actions = self._lists(train=False)
+        return self._eval_actions
 
     @property
     def is_first_stage(self) -> bool:

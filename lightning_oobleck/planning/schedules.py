@@ -199,10 +199,14 @@ def pipeline_actions(
             if op in (Op.I, Op.B) and prev is not None:
                 actions.append(Action(Op.SEND, mb, peer=prev, payload=Payload.GRADIENT, channel=channel))
         if train:
-            for b, bucket_layers in enumerate((buckets or {}).get(worker, [layers])):
-                actions.append(Action(Op.REDUCE, layers=tuple(bucket_layers), bucket=b))
+            actions += reduce_actions((buckets or {}).get(worker, [layers]))
         out[worker] = actions
     return out
+
+
+def reduce_actions(buckets: Sequence[tuple[int, ...]]) -> list[Action]:
+    """The ``REDUCE`` of each gradient bucket (its layers), in issue order: the end of a worker's list."""
+    return [Action(Op.REDUCE, layers=tuple(layers), bucket=b) for b, layers in enumerate(buckets)]
 
 
 # ---------------------------------------------------------------------------------------------- validation
@@ -412,12 +416,13 @@ stage before it waits for it), then a forward, then a weight gradient (it fills 
 
 def merge(
     parts: Sequence[Mapping[Worker, Sequence[Action]]],
-    buckets: Mapping[Worker, Sequence[tuple[int, ...]]] | None = None,
     duration: Callable[[Worker, Action], float] | None = None,
     transfer: Callable[[Worker, Worker, Action], float] | None = None,
-) -> Schedule:
+) -> tuple[Schedule, float]:
     """One list per worker from several schedules that share workers (the routes of a rerouted step, each on
-    its own channel), each part's lists keeping their order; then each worker's ``REDUCE`` of ``buckets``.
+    its own channel), each part's lists keeping their order, without their ``REDUCE`` (the caller ends each
+    worker's list with its buckets', :func:`reduce_actions`); and when the last worker finishes them:
+    ``iteration_time_s(simulate(lists, duration, transfer))``, which the merge already simulated.
 
     The interleaving is an event simulation of the parts together (:func:`simulate`'s rules): a compute
     action moves with the receives before it and the sends after it, and whenever a worker is free it takes
@@ -506,10 +511,7 @@ def merge(
         worker, k = stuck[0]
         waits = units[worker][k][position[worker][k]][0]
         raise ScheduleError(f"the parts deadlock: worker {worker} waits at {waits}")
-    for worker, layer_sets in (buckets or {}).items():
-        out.setdefault(worker, [])
-        out[worker] += [Action(Op.REDUCE, layers=tuple(ls), bucket=b) for b, ls in enumerate(layer_sets)]
-    return out
+    return out, max(clock.values(), default=0.0)
 
 
 def iteration_time_s(timings: Mapping[Worker, Sequence[Timing]]) -> float:

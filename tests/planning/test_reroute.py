@@ -14,6 +14,8 @@ from lightning_oobleck.planning.profile import LayerProfile, ModelProfile
 from lightning_oobleck.planning.reconfigure import after_failures
 from lightning_oobleck.planning.reroute import (
     NotReroutable,
+    _merged,
+    affected,
     choose_recovery,
     phase_duration,
     predict_staggered_step_s,
@@ -23,7 +25,14 @@ from lightning_oobleck.planning.reroute import (
     shared_pairs,
     step_actions,
 )
-from lightning_oobleck.planning.schedules import COMPUTE, Op, ScheduleError, validate
+from lightning_oobleck.planning.schedules import (
+    COMPUTE,
+    Op,
+    ScheduleError,
+    iteration_time_s,
+    simulate,
+    validate,
+)
 
 
 def planned(nodes: int, f: int, per_device: int, schedule: str = "zb-h1", batch: int | None = None) -> Plan:
@@ -54,6 +63,9 @@ def check_rerouted(plan: Plan, failed: tuple[int, ...]) -> Plan:
     assert sorted(seen) == list(range(plan.num_microbatches))
     schedule, limits = step_actions(rerouted)
     validate(schedule, limits, {w: 1 for w in schedule})
+    # the merge's own simulation of its lists is the step the choice predicts
+    duration = phase_duration(rerouted)
+    assert _merged(rerouted, 0, True, None)[2] == iteration_time_s(simulate(schedule, duration))
     # every micro-batch's every layer is computed exactly once, forward and backward
     for op in (Op.F, Op.I, Op.W):
         done = sorted(
@@ -134,6 +146,21 @@ def test_a_staggered_optimizer_saves_only_the_skew_of_the_workers_ends() -> None
             for w, actions in step_actions(layout)[0].items()
         )
         assert busiest - 1e-9 <= predict_staggered_step_s(layout) <= predict_step_s(layout) + 1e-9
+
+
+def test_a_recovery_merges_the_rerouted_step_once() -> None:
+    """``choose_recovery`` simulates the rerouted step; the engine's lists under the plan it chose (a worker's
+    own gradient buckets) come from that same merge, which takes seconds at scale."""
+    plan = planned(16, 3, 2, batch=16)
+    _merged.cache_clear()
+    chosen = choose_recovery(plan, [1], "reroute").reconfiguration.plan
+    merged = _merged.cache_info().misses
+    worker = chosen.workers[3]
+    buckets = [(layer,) for layer in chosen.role(*worker).layers]  # one bucket a layer
+    schedule, limits = step_actions(chosen, 0, {worker: buckets}, True, affected(chosen))
+    assert _merged.cache_info().misses == merged
+    validate(schedule, limits, {worker: len(buckets)})
+    assert [a.layers for a in schedule[worker] if a.op is Op.REDUCE] == buckets
 
 
 def test_the_json_form_keeps_the_rerouting() -> None:
