@@ -14,6 +14,7 @@ from lightning_oobleck.planning.profile import LayerProfile, ModelProfile
 from lightning_oobleck.planning.reconfigure import after_failures
 from lightning_oobleck.planning.reroute import (
     NotReroutable,
+    _merge_routes,
     _merged,
     affected,
     choose_recovery,
@@ -65,7 +66,7 @@ def check_rerouted(plan: Plan, failed: tuple[int, ...]) -> Plan:
     validate(schedule, limits, {w: 1 for w in schedule})
     # the merge's own simulation of its lists is the step the choice predicts
     duration = phase_duration(rerouted)
-    assert _merged(rerouted, 0, True, None)[2] == iteration_time_s(simulate(schedule, duration))
+    assert _merge_routes(rerouted, 0, True, None)[2] == iteration_time_s(simulate(schedule, duration))
     # every micro-batch's every layer is computed exactly once, forward and backward
     for op in (Op.F, Op.I, Op.W):
         done = sorted(

@@ -284,14 +284,13 @@ def check_loop(
     # the caller's module got the survivors' weights merged: what trainer.validate / test / save go on with
     merged = trainer.lightning_module.state_dict()
     assert merged.keys() == reference["weights"].keys()
-    for name, value in merged.items():
-        torch.testing.assert_close(value, reference["weights"][name], rtol=0, atol=1e-9, msg=f"merged {name}")
-    for node in survivors:
-        weights = torch.load(out / f"final-{node}.0.pt")
+    held = {"merged": merged} | {f"on {n}": torch.load(out / f"final-{n}.0.pt") for n in survivors}
+    for where, weights in held.items():
         for name, value in weights.items():
             torch.testing.assert_close(
-                value, reference["weights"][name], rtol=0, atol=1e-9, msg=f"{name} on {node}"
+                value, reference["weights"][name], rtol=0, atol=1e-9, msg=f"{name} {where}"
             )
+    for node in survivors:
         lrs = {int(k): v for k, v in json.loads((out / f"lrs-{node}.0.json").read_text()).items()}
         for step, rates in lrs.items():
             assert rates == pytest.approx(reference["lrs"][step], rel=0, abs=1e-12), (
