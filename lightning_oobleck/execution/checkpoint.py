@@ -185,8 +185,14 @@ def commit(partial: str | Path, path: str | Path) -> None:
             shutil.rmtree(old, ignore_errors=True)
         else:
             partial.rename(path)
-    for leftover in path.parent.glob(f".{path.name}.partial-*"):
-        shutil.rmtree(leftover, ignore_errors=True)
+    discard(path)
+
+
+def discard(path: str | Path) -> None:
+    """Delete every unfinished attempt at checkpoint ``path`` (:func:`partial_path`), leaving ``path``."""
+    path = Path(path)
+    for attempt in path.parent.glob(f".{path.name}.partial-*"):
+        shutil.rmtree(attempt, ignore_errors=True)
 
 
 def load_sharded(path: str | Path, module: nn.Module, optimizers: Iterable[Optimizer] = ()) -> dict[str, Any]:

@@ -23,7 +23,6 @@ import csv
 import io
 import math
 import pickle
-import shutil
 import time
 import warnings
 from collections import deque
@@ -47,6 +46,7 @@ from torch import Tensor
 from lightning_oobleck.execution import faults
 from lightning_oobleck.execution.checkpoint import (
     commit,
+    discard,
     layer_writers,
     missing_shards,
     partial_path,
@@ -292,6 +292,8 @@ class LightningLoop:
         """The fit's last unit: every worker completed every step when it completes anywhere."""
         if self.runner is not None:
             self.runner.finish()
+        else:
+            self.barrier()
 
     # ------------------------------------------------------------------ collectives
     def all_reduce(self, tensor: Tensor, reduce_op: str | dist.ReduceOp.RedOpType = "sum") -> Tensor:
@@ -359,7 +361,7 @@ class LightningLoop:
         shard written elsewhere (a worker given another path) fails the save on every worker, naming it."""
         metadata = self.strategy.checkpoint_metadata(checkpoint)
 
-        def save(engine: PipelineEngine) -> None:
+        def save(engine: PipelineEngine) -> tuple[str, list[str]]:
             groups = engine.groups
             partial = partial_path(path, f"gen{groups.generation}")
             writers = layer_writers(groups.plan)
@@ -384,19 +386,20 @@ class LightningLoop:
                 if not missing:
                     commit(partial, path)
                 verdict = (str(Path(path).resolve()), missing)
-            committed_path, missing = _broadcast_object(engine, verdict, 0)
-            if missing:
-                shutil.rmtree(partial, ignore_errors=True)
-                # The first worker to raise ends the run: none does before every staging directory is gone.
-                groups.all_reduce(torch.zeros(1, device=engine.device), engine.abort)
-                raise CheckpointError(
-                    f"checkpoint {committed_path} was not saved: the shards of worker(s) "
-                    f"{', '.join(missing)} are missing from it. Every worker must save to the same path on "
-                    "a file system they all see: give ModelCheckpoint(dirpath=...) or "
-                    "trainer.save_checkpoint(...) one path on shared storage"
-                )
+            return _broadcast_object(engine, verdict, 0)
 
-        self.run(save)
+        committed_path, missing = self.run(save)
+        if missing:
+            discard(path)
+            # Every worker raises this refusal; the barrier lets none leave (a peer would take that for a
+            # failure, the launcher stops every worker) before every staging directory is gone.
+            self.finish()
+            raise CheckpointError(
+                f"checkpoint {committed_path} was not saved: the shards of worker(s) "
+                f"{', '.join(missing)} are missing from it. Every worker must save to the same path on "
+                "a file system they all see: give ModelCheckpoint(dirpath=...) or "
+                "trainer.save_checkpoint(...) one path on shared storage"
+            )
 
     # ------------------------------------------------------------------ the unit runner's training loop
     def build_optimizer(self, module: StageModule) -> torch.optim.Optimizer:

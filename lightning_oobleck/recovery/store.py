@@ -36,9 +36,9 @@ def handover_key(membership: Membership) -> str:
     return f"oobleck/recovery/gen{membership.generation}/handover"
 
 
-def finished_key(generation: int) -> str:
-    """Set by a worker that completed the run's last unit in ``generation``."""
-    return f"oobleck/recovery/finished/gen{generation}"
+def finished_key(generation: int, unit: int) -> str:
+    """Set by a worker that completed the run's last unit, unit number ``unit``, in ``generation``."""
+    return f"oobleck/recovery/finished/gen{generation}/unit{unit}"
 
 
 def dump(value: Any) -> bytes:

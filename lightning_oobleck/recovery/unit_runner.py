@@ -273,14 +273,19 @@ class UnitRunner:
 
     def finish(self) -> None:
         """The last unit of a run (a barrier): when it completes anywhere, every worker finished every unit.
+        Also where every worker stops together (a SIGTERM, a refused checkpoint) before raising.
 
         A worker that completes it says so in the store before it leaves, so that a worker still in the
-        barrier when a peer fails finishes too instead of redoing work with the survivors.
+        barrier when a peer fails (or leaves, raising) finishes too instead of redoing work with the
+        survivors.
         """
-        self._finishing = True
-        self.barrier()
+        self._finishing, unit = True, self.progress.done
+        try:
+            self.barrier()
+        finally:
+            self._finishing = False
         self._switch = None
-        self.store.set(finished_key(self.generation), b"1")
+        self.store.set(finished_key(self.generation, unit), b"1")
 
     # ------------------------------------------------------------------ recovery
 
@@ -303,7 +308,7 @@ class UnitRunner:
                 self.procedure.fire(Event.GAVE_UP)
                 raise UnrecoverableFailure(f"the survivors did not agree on a membership: {e}") from e
             after = membership.generation
-            if self._finishing and self.store.check([finished_key(self.generation)]):
+            if self._finishing and self.store.check([finished_key(self.generation, self.progress.done)]):
                 self.procedure.fire(Event.FINISHED_ELSEWHERE)
                 return dump(None)  # the last unit completed elsewhere: every unit of the run is done
             self.procedure.fire(Event.AGREED)

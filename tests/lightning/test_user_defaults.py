@@ -30,6 +30,7 @@ from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_oobleck import OobleckStrategy, PipelineModule, consolidate_checkpoint
+from lightning_oobleck.execution import PeerFailure
 from lightning_oobleck.lightning.callbacks import KillAt
 from lightning_oobleck.lightning.units import EVENTS_FILE, CheckpointError
 from lightning_oobleck.recovery import read_events
@@ -336,14 +337,45 @@ class SavesToItsOwnPath(L.Callback):
             trainer.save_checkpoint(f"ckpt-{trainer.global_rank}")
 
 
+class SeesTheRefusalLate(L.Callback):
+    """A race, not a fault: worker ``rank`` sees the last barrier of a refused save complete only once a
+    peer that passed it has left (as a loaded machine may): it must not take that peer for a failure, redo the
+    save with the survivors and be stopped with a staging directory half written."""
+
+    def __init__(self, rank: int, out: Path) -> None:
+        self.rank, self.out = rank, out
+
+    def on_train_batch_end(self, trainer: L.Trainer, *args: object) -> None:
+        if trainer.global_step != 2 or trainer.global_rank != self.rank:
+            return
+        strategy = trainer.strategy
+        units = strategy._require_units()  # type: ignore[attr-defined]
+        finish = units.finish
+
+        def see_it_late(works: object, abort: threading.Event) -> None:
+            (self.out / "lagging").touch()  # its peers leave meanwhile; the launcher then stops it
+            abort.wait(timeout=10)
+            raise PeerFailure("test: this worker saw the barrier complete only after a peer left")
+
+        def finish_late() -> None:
+            strategy.engine.groups.waiter.wait = see_it_late  # type: ignore[attr-defined]
+            finish()
+
+        units.finish = finish_late
+
+
 @pytest.mark.timeout(240)
 def test_a_checkpoint_whose_shards_are_elsewhere_is_never_committed(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capfd: pytest.CaptureFixture[str]
 ) -> None:
+    """Every worker refuses the save, at once, leaving no staging directory behind, even when one of them
+    sees its peers' refusal late."""
     monkeypatch.chdir(tmp_path)
     with pytest.raises(CheckpointError, match=r"the shards of worker\(s\) 1\.0 are missing from it"):
-        fit(Regressor(), 4, callbacks=[SavesToItsOwnPath()])
+        fit(Regressor(), 4, callbacks=[SeesTheRefusalLate(1, tmp_path), SavesToItsOwnPath()])
     assert not list(tmp_path.glob("ckpt-*")) and not list(tmp_path.glob(".ckpt-*"))
+    assert (tmp_path / "lagging").exists()
+    assert " lost at step " not in capfd.readouterr().out
 
 
 @pytest.mark.timeout(240)
