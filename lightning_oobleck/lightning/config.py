@@ -105,9 +105,11 @@ class OobleckConfig:
     copied, the steps are slower; re-instantiation where a layer has no live replica) or ``auto`` (per
     failure, whichever the cost model predicts trains more samples within ``failure_interval_s``)."""
     failure_interval_s: float = 3600.0
-    """The expected time from one failure to the next: how long ``recovery_policy="auto"`` expects the layout
-    it chooses to last (shorter with ``replace_failed_after_s``: :attr:`recovery_horizon_s`), the horizon over
-    which it weighs a faster step against the copy it costs."""
+    """The expected time from one failure to the next, before the run has seen any: ``recovery_policy="auto"``
+    weighs a faster step against the copy it costs over how long the layout it chooses is expected to last:
+    until the next failure, this interval revised by the failures the run has seen (the configured interval
+    counts as one failure's worth of evidence: ``(failure_interval_s + time run) / (1 + failures seen)``),
+    or until the replacement joins (``replace_failed_after_s``), whichever is sooner."""
 
     def validate(self) -> None:
         """Raise a :class:`ValueError` naming the bad key and the fix."""
@@ -182,15 +184,6 @@ class OobleckConfig:
             raise ValueError("microbatches is only meaningful with layout=[[...], ...]")
         if sum(x is not None for x in (self.layout, self.plan_path)) > 1:
             raise ValueError("give at most one of layout and plan_path")
-
-    @property
-    def recovery_horizon_s(self) -> float:
-        """How long a layout chosen after a failure is expected to last: until the next failure or, when the
-        launcher replaces failed nodes, until the replacement joins (the rerouting ends there, and both ways
-        pay the copy to the replacement)."""
-        if self.replace_failed_after_s is None:
-            return self.failure_interval_s
-        return min(self.failure_interval_s, self.replace_failed_after_s)
 
     def with_batch(self, loader_batch_size: int | None, num_workers: int) -> OobleckConfig:
         """This config with both batch sizes set (see the fields for the defaults)."""

@@ -160,7 +160,8 @@ class LightningLoop:
             join_policy=JoinPolicy(config.join_policy),
             admission=admission,
             recovery_policy=config.recovery_policy,
-            recovery_horizon_s=config.recovery_horizon_s,
+            failure_interval_s=config.failure_interval_s,
+            replace_failed_after_s=config.replace_failed_after_s,
         )
         # The log directory is agreed by a broadcast: a unit, recovered like the others.
         root = Path(trainer.log_dir or trainer.default_root_dir)
@@ -465,7 +466,10 @@ class LightningLoop:
                 f"{event.durations().get('total', 0.0):.2f} s{copied}"
             )
         if event.recovery_policy is not None:
-            rank_zero_info(f"oobleck: recovered by {event.recovery_policy}: {'; '.join(event.candidates)}")
+            horizon = f" (the next failure expected in {event.horizon_s:.4g} s)" if event.horizon_s else ""
+            rank_zero_info(
+                f"oobleck: recovered by {event.recovery_policy}{horizon}: {'; '.join(event.candidates)}"
+            )
         for warning in event.warnings:  # a line of the run's story, like the one above (no source path)
             rank_zero_info(f"oobleck: warning: {warning}")
         if joined := sorted({node for node, _ in event.added}):

@@ -317,6 +317,20 @@ worker newly holds are copied), reroute the lost stages' micro-batches (ReCycle;
 slower), or ``auto``: whichever the cost model predicts trains more samples before the next failure."""
 
 
+def expected_failure_interval_s(configured_s: float, failures: int = 0, observed_s: float = 0.0) -> float:
+    """The expected time to the next failure, from the configured interval and the run's own record:
+    ``failures`` seen in ``observed_s`` seconds of running. The configured interval is one failure's worth of
+    prior evidence (the posterior mean under a Gamma(1, ``configured_s``) prior on an exponential failure
+    rate): ``(configured_s + observed_s) / (1 + failures)``. With no record it is the configured interval; a
+    run that fails often soon weighs its own rate, one that runs long without a failure lengthens it."""
+    if configured_s <= 0 or failures < 0 or observed_s < 0:
+        raise ValueError(
+            f"the failure interval must be positive and the record non-negative, got {configured_s}, "
+            f"{failures} failure(s) in {observed_s} s"
+        )
+    return (configured_s + observed_s) / (1 + failures)
+
+
 @dataclass(frozen=True)
 class Candidate:
     """One way to recover from a failure, as the cost model predicts it."""

@@ -75,6 +75,8 @@ class RecoveryEvent:
     """How the failure was recovered from, where a policy chose (``reinstantiate`` or ``reroute``)."""
     candidates: list[str] = field(default_factory=list)
     """The ways weighed, each with its predicted step, copy and samples before the next failure."""
+    horizon_s: float | None = None
+    """How long the chosen layout was expected to last: the time the candidates' samples are counted over."""
 
     @classmethod
     def from_membership(cls, membership: Membership) -> RecoveryEvent:

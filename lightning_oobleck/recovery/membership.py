@@ -927,8 +927,19 @@ class MembershipMachine:
         causes += [f"{tuple(w)} left (finished)" for w in removed if w in self.finished]
         causes += [f"{tuple(w)} joined" for w in added] if self._current else ["start"]
         generation = max(self._current.generation + 1 if self._current else 0, self._floor + 1)
+        settled = [m for m in self.history if m.agreed_at is not None]
+        started, failures = (settled[0].agreed_at, settled[-1].failures) if settled else (None, 0)
+        if settled and any(w not in self.finished for w in removed):  # start-up failures are not counted
+            failures += 1
         self._current = Membership(
-            generation, workers, removed, added, "; ".join(causes), detected_at=self._change_detected_at
+            generation,
+            workers,
+            removed,
+            added,
+            "; ".join(causes),
+            detected_at=self._change_detected_at,
+            started_at=started,
+            failures=failures,
         )
         self.history.append(self._current)
         self._phase = Phase.AGREEING

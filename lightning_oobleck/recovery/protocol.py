@@ -111,7 +111,9 @@ class Membership:
     generation (a generation abandoned during its agreement is skipped; generation 0 compares with every
     launched worker);
     ``detected_at`` is when the first failure (or join) that led to this generation was seen, and
-    ``agreed_at`` when every member reached the agreement barrier (``None`` until then).
+    ``agreed_at`` when every member reached the agreement barrier (``None`` until then); ``started_at`` when
+    the job's first generation was agreed and ``failures`` how many generations since lost workers, this one
+    included: the failure rate every member observes alike (:meth:`observed`).
     """
 
     generation: int
@@ -121,6 +123,15 @@ class Membership:
     cause: str = ""
     detected_at: float | None = None
     agreed_at: float | None = None
+    started_at: float | None = None
+    failures: int = 0
+
+    def observed(self) -> tuple[int, float]:
+        """The failures so far (this generation's included) and the time they came in: from the start to
+        this generation's detection (0 before the start was agreed)."""
+        if self.started_at is None or self.detected_at is None:
+            return self.failures, 0.0
+        return self.failures, max(0.0, self.detected_at - self.started_at)
 
     @property
     def world_size(self) -> int:
@@ -148,6 +159,8 @@ class Membership:
             "cause": self.cause,
             "detected_at": self.detected_at,
             "agreed_at": self.agreed_at,
+            "started_at": self.started_at,
+            "failures": self.failures,
         }
 
     @classmethod
@@ -160,6 +173,8 @@ class Membership:
             cause=str(msg.get("cause", "")),
             detected_at=msg.get("detected_at"),
             agreed_at=msg.get("agreed_at"),
+            started_at=msg.get("started_at"),
+            failures=int(msg.get("failures", 0)),
         )
 
 

@@ -26,7 +26,7 @@ from lightning_oobleck.execution.process_groups import ProcessGroups
 from lightning_oobleck.execution.stage import StageModule
 from lightning_oobleck.planning.plan import Plan
 from lightning_oobleck.planning.reconfigure import Reconfiguration, ReconfigurationError, reconfigure
-from lightning_oobleck.planning.reroute import choose_recovery
+from lightning_oobleck.planning.reroute import choose_recovery, expected_failure_interval_s
 from lightning_oobleck.recovery.errors import UnrecoverableFailure
 from lightning_oobleck.recovery.events import RecoveryEvent
 from lightning_oobleck.recovery.protocol import Membership
@@ -59,10 +59,20 @@ class RecoveryPolicy:
     """How failures are recovered from (:func:`~lightning_oobleck.planning.reroute.choose_recovery`)."""
 
     policy: str = "reinstantiate"
-    horizon_s: float = 3600.0
-    """How long the layout chosen after a failure is expected to last (:func:`choose_recovery`'s horizon)."""
+    failure_interval_s: float = 3600.0
+    """The configured expected time from one failure to the next."""
+    replace_after_s: float | None = None
+    """When a replacement for a failed node joins (the launcher's ``replace_failed_after_s``), if ever."""
     message_tags: bool = True
     """Whether the backend keeps tagged streams apart (gloo does, NCCL does not)."""
+
+    def horizon_s(self, membership: Membership) -> float:
+        """How long the layout chosen after the failure that led to ``membership`` is expected to last
+        (:func:`choose_recovery`'s horizon): until the next failure, expected from the configured interval
+        and the failures the run has seen (:func:`expected_failure_interval_s`; the same on every member),
+        or until the replacement joins, whichever comes first."""
+        expected = expected_failure_interval_s(self.failure_interval_s, *membership.observed())
+        return expected if self.replace_after_s is None else min(expected, self.replace_after_s)
 
 
 def next_plan(
@@ -81,15 +91,12 @@ def next_plan(
     try:
         failed = set(plan.nodes) - set(membership.nodes)
         if failed and not joined and recovery.policy != "reinstantiate":
+            horizon_s = recovery.horizon_s(membership)
             choice = choose_recovery(
-                plan,
-                failed,
-                recovery.policy,
-                recovery.horizon_s,
-                message_tags=recovery.message_tags,
+                plan, failed, recovery.policy, horizon_s, message_tags=recovery.message_tags
             )
             if event is not None:
-                event.recovery_policy = choice.policy
+                event.recovery_policy, event.horizon_s = choice.policy, horizon_s
                 event.candidates = [str(c) for c in choice.candidates]
             return choice.reconfiguration
         return reconfigure(plan, failed=failed, joined=joined, lengthen=lengthen)

@@ -143,7 +143,8 @@ class UnitRunner:
         join_policy: JoinPolicy = JoinPolicy.AT_ONCE,
         admission: Admission | None = None,
         recovery_policy: str = "reinstantiate",
-        recovery_horizon_s: float = 3600.0,
+        failure_interval_s: float = 3600.0,
+        replace_failed_after_s: float | None = None,
     ) -> None:
         if engine.abort is not agent.abort:
             raise ValueError(
@@ -178,7 +179,9 @@ class UnitRunner:
         self._pending_groups: ProcessGroups | None = None
         self._finishing = False
         self.join_policy = JoinPolicy(join_policy)
-        self.recovery = RecoveryPolicy(recovery_policy, recovery_horizon_s, message_tags=backend != "nccl")
+        self.recovery = RecoveryPolicy(
+            recovery_policy, failure_interval_s, replace_failed_after_s, message_tags=backend != "nccl"
+        )
         self._admit_nodes = 0
         """Whole nodes the last step's commit says to admit at the next step boundary."""
         self._in_step = False

@@ -232,14 +232,6 @@ def test_batch_sizes_default_to_the_loaders_batch_and_two_microbatches_per_proce
         OobleckConfig().with_batch(None, 4)
 
 
-def test_auto_recoverys_horizon_ends_when_a_replacement_joins() -> None:
-    """``recovery_policy="auto"`` weighs each way over how long the chosen layout lasts: the expected time to
-    the next failure, or, when the launcher replaces failed nodes, to the replacement's arrival."""
-    assert OobleckConfig(failure_interval_s=600.0).recovery_horizon_s == 600.0
-    assert OobleckConfig(failure_interval_s=600.0, replace_failed_after_s=30.0).recovery_horizon_s == 30.0
-    assert OobleckConfig(failure_interval_s=20.0, replace_failed_after_s=30.0).recovery_horizon_s == 20.0
-
-
 @pytest.mark.parametrize(
     ("options", "message"),
     [

@@ -18,6 +18,7 @@ from lightning_oobleck.planning.reroute import (
     _merged,
     affected,
     choose_recovery,
+    expected_failure_interval_s,
     phase_duration,
     predict_staggered_step_s,
     predict_step_s,
@@ -177,6 +178,23 @@ def test_a_list_on_the_wrong_channel_is_refused() -> None:
     schedule[worker][k] = dataclasses.replace(actions[k], channel=0)
     with pytest.raises(ScheduleError, match=r"no matching|same order"):
         validate(schedule)
+
+
+def test_the_expected_failure_interval_learns_from_the_failures_seen() -> None:
+    """The configured interval is one failure's worth of evidence; the run's record revises it."""
+    assert expected_failure_interval_s(3600.0) == 3600.0
+    assert expected_failure_interval_s(3600.0, 1, 60.0) == pytest.approx(1830.0)  # soon after the start
+    assert expected_failure_interval_s(3600.0, 3, 600.0) == pytest.approx(1050.0)  # 3 in ten minutes
+    assert expected_failure_interval_s(3600.0, 1, 7 * 86400.0) > 3600.0  # one failure in a week
+    for failures, time_s in itertools.product(range(4), (0.0, 10.0, 1e4)):
+        now = expected_failure_interval_s(600.0, failures, time_s)
+        assert expected_failure_interval_s(600.0, failures + 1, time_s) < now
+        assert expected_failure_interval_s(600.0, failures, time_s + 1.0) > now
+    # many failures: the observed mean interval, whatever was configured
+    assert expected_failure_interval_s(1e6, 10_000, 1e7) == pytest.approx(1e7 / 10_000, rel=0.11)
+    for bad in ((0.0, 0, 0.0), (60.0, -1, 0.0), (60.0, 0, -1.0)):
+        with pytest.raises(ValueError, match="failure interval must be positive"):
+            expected_failure_interval_s(*bad)
 
 
 def test_the_choice_weighs_the_step_against_the_copy_over_the_horizon() -> None:

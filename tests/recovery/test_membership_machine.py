@@ -29,6 +29,7 @@ from lightning_oobleck.recovery.membership import (
     Phase,
     Send,
 )
+from lightning_oobleck.recovery.protocol import Membership
 from lightning_oobleck.worker import Worker
 
 SECRET = "s3cret"
@@ -136,6 +137,7 @@ class Harness:
                 self.admit_asked = False
             assert self.announced.setdefault(g, workers) == workers, "two memberships for one generation"
             assert client.worker in workers
+            self.check_record(Membership.from_message(effect.fields))
         elif effect.op == "go":
             g = effect.fields["generation"]
             members = self.announced[g]
@@ -163,6 +165,21 @@ class Harness:
             assert explained or registered_dead_node or not client.responsive, (
                 f"healthy, responsive worker {client.worker} fenced: {effect.fields['reason']}"
             )
+
+    def check_record(self, announced: Membership) -> None:
+        """The failure record every member reads alike: counted from the start's agreement, one more for
+        each agreed generation that lost a worker (not one that left), never fewer than before."""
+        agreed = [
+            m for m in self.machine.history if m.agreed_at is not None and m.generation < announced.generation
+        ]
+        if not agreed:
+            assert (announced.started_at, announced.failures) == (None, 0)
+            return
+        assert announced.started_at == agreed[0].agreed_at
+        lost = any(w not in self.machine.finished for w in announced.removed)
+        assert announced.failures == agreed[-1].failures + lost
+        failures, time_s = announced.observed()
+        assert failures == announced.failures and time_s >= 0
 
     # ------------------------------------------------------------------ actions
     def register(self, i: int, responsive: bool) -> None:
@@ -469,6 +486,30 @@ def test_running_death_aborts_the_members_and_a_closed_connection_is_announced_a
     h.apply(h.machine.tick(h.now))  # no settle window: the processes are known to be gone
     assert [m.workers for m in h.machine.history] == [tuple(h.workers), (Worker(0, 0),)]
     assert h.machine.phase is Phase.RUNNING
+
+
+def test_every_generation_carries_the_failures_since_the_start_and_when_they_came() -> None:
+    """What a recovery's horizon is learnt from, the same on every member: failures count, joins and leaves
+    do not, and the time runs from the start's agreement to the failure's detection."""
+    h = started(4)
+    start = h.machine.history[0]
+    assert (start.started_at, start.failures) == (None, 0)
+    h.advance(10.0)
+    h.kill(3)
+    h.apply(h.machine.tick(h.now))
+    first = h.machine.history[-1]
+    assert first.observed() == (1, pytest.approx(10.0, abs=0.3))
+    assert first.started_at == start.agreed_at
+    h.join(0, processes=1)
+    h.admit(0)
+    joined = h.machine.history[-1]
+    assert joined.added and joined.failures == 1
+    h.advance(5.0)
+    h.kill(1)
+    h.apply(h.machine.tick(h.now))
+    second = h.machine.history[-1]
+    assert second.observed() == (2, pytest.approx(15.0, abs=0.6))
+    assert Membership.from_message(second.to_message()) == second
 
 
 def test_a_silence_waits_the_settle_window_and_a_closed_connection_ends_it() -> None:

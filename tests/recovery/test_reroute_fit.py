@@ -93,10 +93,13 @@ def test_auto_reroutes_one_failure_and_reinstantiates_after_the_next(
     faults = {(0, 1): Fault(signal.SIGKILL, FORWARD), (3, 5): Fault(signal.SIGKILL, BACKWARD)}
     trainer = fit_loop(tmp_path, LoopFaults(tmp_path, faults), 6, recovery_policy="auto")
     check_loop(trainer, tmp_path, loop_reference, dead={0, 3}, num_nodes=6)
-    first = choose_recovery(Plan.load(tmp_path / "plan.json"), [0], "auto", 3600.0)
-    second = choose_recovery(first.reconfiguration.plan, [3], "auto", 3600.0)
-    assert (first.policy, second.policy) == ("reroute", "reinstantiate")
     rerouted, reinstantiated = recoveries(tmp_path)
+    # the run's first and second failure, within its first minute: the next one is expected 1/2 and 1/3 of
+    # failure_interval_s (3600 s) away
+    assert 1800.0 < rerouted.horizon_s < 1830.0 and 1200.0 < reinstantiated.horizon_s < 1220.0
+    first = choose_recovery(Plan.load(tmp_path / "plan.json"), [0], "auto", rerouted.horizon_s)
+    second = choose_recovery(first.reconfiguration.plan, [3], "auto", reinstantiated.horizon_s)
+    assert (first.policy, second.policy) == ("reroute", "reinstantiate")
     assert [rerouted.recovery_policy, reinstantiated.recovery_policy] == [first.policy, second.policy]
     assert rerouted.candidates == [str(c) for c in first.candidates]
     assert rerouted.copied_bytes == 0
