@@ -187,13 +187,13 @@ def rerouting_table() -> Table:
         "a worker's training lists (the choice's merge)",
         lambda: step_actions(rerouted, 0, buckets, True, touched),
     )
-    timed("their validation", lambda: validate(train, limits, {worker: 1}))
+    timed("its validation (its list and its pairs)", lambda: validate(train, limits, {worker: 1}, worker))
     recovery_s = sum(seconds for _, seconds in timings)
     evaluation, _ = timed(
         "evaluation lists (at the first evaluation step)",
         lambda: step_actions(rerouted, 0, None, False, touched),
     )
-    timed("their validation", lambda: validate(evaluation))
+    timed("its validation", lambda: validate(evaluation, worker=worker))
     shape = f"{len(plan.pipelines)} pipelines of {len(plan.pipelines[0].stages)} stages"
     table = Table(
         title=f"Rerouting on the recovery path: 64 nodes x 8 GPUs, {shape}, "

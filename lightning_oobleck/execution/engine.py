@@ -232,14 +232,16 @@ class PipelineEngine:
 
     def _lists(self, train: bool) -> list[Action]:
         """This worker's training or evaluation action list under its plan, validated with its whole
-        pipeline's; in a pipeline a rerouted plan changes (a damaged one or a helper), with those of every
-        such pipeline, merged (once per generation: the lists are the same every step)."""
+        pipeline's; in a pipeline a rerouted plan changes (a damaged one or a helper), taken from the merge
+        of every such pipeline's and validated with its peers' (once per generation: the lists are the same
+        every step)."""
         plan, groups, worker = self.plan, self.groups, self.groups.worker
         sync = self._grad_sync
         assert sync is not None
         buckets = {worker: sync.bucket_layers} if train else None
         touched = affected(plan)
-        if self.role.pipeline in touched:  # the routes sharing workers with this one, merged
+        merged = self.role.pipeline in touched
+        if merged:  # the routes sharing workers with this one, merged
             if train and groups.backend == "nccl" and (shared := shared_pairs(plan)):
                 raise NotImplementedError(
                     f"this rerouted step sends two routes' micro-batches between workers {list(shared[0])}, "
@@ -263,10 +265,12 @@ class PipelineEngine:
                 w: in_flight_limit(plan.schedule, num_stages, s, pipeline.microbatches)
                 for s, w in enumerate(spec.workers)
             }
+        # a merge's lists finish by construction: each worker checks its own (its pipeline's are few)
+        checked = worker if merged else None
         if train:
-            validate(lists, limits, {worker: len(sync.bucket_layers)})
+            validate(lists, limits, {worker: len(sync.bucket_layers)}, worker=checked)
         else:
-            validate(lists)
+            validate(lists, worker=checked)
         return lists[worker]
 
     @property

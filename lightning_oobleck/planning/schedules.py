@@ -310,6 +310,7 @@ def validate(
     schedule: Mapping[Worker, Sequence[Action]],
     in_flight: Mapping[Worker, int] | None = None,
     buckets: Mapping[Worker, int] | None = None,
+    worker: Worker | None = None,
 ) -> None:
     """Raise :class:`ScheduleError`, naming the action, unless every list of ``schedule`` can run.
 
@@ -318,37 +319,45 @@ def validate(
     every gradient bucket is reduced once, after the last action adding to its gradients
     (``buckets[worker]``: how many the worker has); no worker holds more than ``in_flight[worker]``
     micro-batches' activations; and the lists, run together, finish (:func:`simulate` with no durations).
+
+    With ``worker``: only what concerns its list (its own checks and its pairs' order), not that the lists
+    finish together. For the lists of a :func:`merge`, which finish by construction, where every worker
+    checks its own: together the same checks, in 1/workers of the time each (a rerouted step of 500
+    workers: 2.7 s on every worker otherwise).
     """
-    for worker, actions in schedule.items():
+    checked = list(schedule) if worker is None else [worker]
+    for w in checked:
         _check_worker(
-            worker,
-            actions,
-            None if in_flight is None else in_flight.get(worker),
-            None if buckets is None else buckets.get(worker),
+            w,
+            schedule[w],
+            None if in_flight is None else in_flight.get(w),
+            None if buckets is None else buckets.get(w),
         )
-    posted = {worker: _posted_order(worker, actions) for worker, actions in schedule.items()}
+    posted = {w: _posted_order(w, schedule[w]) for w in checked}
+    if worker is not None:
+        peers = {peer for peer, _ in posted[worker]}
+        posted |= {peer: _posted_order(peer, schedule.get(peer, ())) for peer in peers}
     flip = {Op.SEND: Op.RECV, Op.RECV: Op.SEND}
-    for worker, peers in posted.items():
-        for (peer, channel), mine in peers.items():
-            theirs = posted.get(peer, {}).get((worker, channel), [])
+    for w in checked:
+        for (peer, channel), mine in posted[w].items():
+            theirs = posted.get(peer, {}).get((w, channel), [])
             for k, (_, op, payload, mb) in enumerate(mine):
                 action = Action(op, mb, peer=peer, payload=payload, channel=channel)
                 if k >= len(theirs):
-                    raise ScheduleError(
-                        f"worker {worker}: {action} has no matching {flip[op].value} on {peer}"
-                    )
+                    raise ScheduleError(f"worker {w}: {action} has no matching {flip[op].value} on {peer}")
                 _, their_op, their_payload, their_mb = theirs[k]
                 if (their_op, their_payload, their_mb) != (flip[op], payload, mb):
-                    other = Action(their_op, their_mb, peer=worker, payload=their_payload, channel=channel)
+                    other = Action(their_op, their_mb, peer=w, payload=their_payload, channel=channel)
                     raise ScheduleError(
-                        f"worker {worker}: {action} is its transfer number {k} with {peer}, where {peer} "
+                        f"worker {w}: {action} is its transfer number {k} with {peer}, where {peer} "
                         f"posts {other}: the two sides of a pair must post their transfers in the same order"
                     )
             if len(theirs) > len(mine):
                 _, op, payload, mb = theirs[len(mine)]
-                action = Action(op, mb, peer=worker, payload=payload, channel=channel)
-                raise ScheduleError(f"worker {peer}: {action} has no matching {flip[op].value} on {worker}")
-    simulate(schedule)
+                action = Action(op, mb, peer=w, payload=payload, channel=channel)
+                raise ScheduleError(f"worker {peer}: {action} has no matching {flip[op].value} on {w}")
+    if worker is None:
+        simulate(schedule)
 
 
 # ---------------------------------------------------------------------------------------------- simulation

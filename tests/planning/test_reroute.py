@@ -170,14 +170,21 @@ def test_the_json_form_keeps_the_rerouting() -> None:
     assert Plan.from_dict(rerouted.to_dict()) == rerouted
 
 
-def test_a_list_on_the_wrong_channel_is_refused() -> None:
+def test_a_list_on_the_wrong_channel_is_refused_by_its_worker_and_its_peer() -> None:
+    """Whole, or as each worker of a merged step checks its own list and its pairs."""
     rerouted = reroute(planned(8, 2, 4), [1])
-    schedule, _ = step_actions(rerouted)
+    schedule, limits = step_actions(rerouted)
+    for worker in schedule:
+        validate(schedule, limits, worker=worker)
     worker, actions = next((w, a) for w, a in schedule.items() if any(x.channel for x in a))
     k = next(i for i, a in enumerate(actions) if a.channel)
     schedule[worker][k] = dataclasses.replace(actions[k], channel=0)
-    with pytest.raises(ScheduleError, match=r"no matching|same order"):
-        validate(schedule)
+    for checked in (None, worker, actions[k].peer):
+        with pytest.raises(ScheduleError, match=r"no matching|same order"):
+            validate(schedule, worker=checked)
+    others = set(schedule) - {worker, actions[k].peer}
+    for other in others:  # the other workers' lists and pairs are sound
+        validate(schedule, limits, worker=other)
 
 
 def test_the_expected_failure_interval_learns_from_the_failures_seen() -> None:
