@@ -14,8 +14,10 @@ nodes of 8 x 80 GB, recomputing activations where a split would not fit otherwis
 8-GPU job of ``oobleck simulate``'s example (docs/planning.md: 48 layers of hidden 4096, f = 2, global batch
 1024 of micro-batches of 1; 16 pipelines of 32 stages): ``choose_recovery`` (both ways predicted, the
 rerouted step merged and simulated) after losing a middle node of pipeline 0, then a worker's training lists
-under the chosen plan (from the same merge) and their validation, and the evaluation lists, which the engine
-makes at the first evaluation step.
+under the chosen plan (from the same merge) and its validation, and the evaluation lists, which the engine
+makes at the first evaluation step. A second table: ``choose_recovery(policy="auto")`` for a lost middle node
+of the 2,048-node x 8-GPU job of ``benchmarks/simulate_table2.py --scale`` (171 pipelines of 88-96 stages),
+beside the state copy it would save.
 """
 
 from __future__ import annotations
@@ -127,6 +129,7 @@ def main() -> None:
     console = Console(width=max(Console().width, 110))
     if args.rerouting:
         console.print(rerouting_table())
+        console.print(scale_choice_table())
         return
     table = Table(title="Planning latency (s): ours / paper (Table 3), f = 1, global batch 1024")
     table.add_column("nodes", justify="right")
@@ -205,6 +208,28 @@ def rerouting_table() -> Table:
     for name, seconds in timings:
         table.add_row(name, f"{seconds:.2f}")
     table.add_row("the recovery's critical path (the first three)", f"{recovery_s:.2f}")
+    return table
+
+
+def scale_choice_table() -> Table:
+    """``recovery_policy="auto"``'s choice (made on every worker) on the 16,384-GPU job, beside the copy."""
+    cluster = ClusterSpec(num_nodes=2048, gpus_per_node=8, device_memory_bytes=80e9)
+    profile = synthetic_gpt_profile(96, 8192, 2048, 1, 4e14)
+    plan = make_plan(
+        profile, cluster, fault_tolerance=2, global_batch_size=4096, activation_checkpointing="auto"
+    )
+    failed = [plan.pipelines[0].nodes[len(plan.pipelines[0].nodes) // 2]]
+    started = time.perf_counter()
+    choice = choose_recovery(plan, failed, "auto")
+    choose_s = time.perf_counter() - started
+    table = Table(
+        title=f"auto's choice at 2,048 nodes x 8 GPUs ({len(plan.pipelines)} pipelines): "
+        f"{choose_s:.2f} s, {choice.policy} chosen"
+    )
+    for column in ("way", "step (s)", "copy (s)", "samples in 3600 s"):
+        table.add_column(column, justify="left" if column == "way" else "right")
+    for c in choice.candidates:
+        table.add_row(c.policy, f"{c.step_s:.3f}", f"{c.transition_s:.2f}", f"{c.samples:.4g}")
     return table
 
 
