@@ -707,6 +707,9 @@ class MembershipMachine:
                 "process that comes back is a new node (a new node key)",
             )
             return
+        if self._over():
+            self._refuse(peer, f"worker {tuple(worker)} registered after the training ended: nothing to join")
+            return
         if worker in self._alive:
             holder = self._alive[worker]
             self._refuse(
@@ -825,10 +828,18 @@ class MembershipMachine:
         self._maybe_go(now)
         self._release_joiners_if_over()
 
+    def _over(self) -> bool:
+        """The training is over: it started, and every member left, the last ones finished."""
+        return (
+            self._current is not None
+            and bool(self.finished)
+            and not any(w in self._admitted for w in self._alive)
+        )
+
     def _release_joiners_if_over(self) -> None:
         """Once the last member left (finished), the training is over: the pending joiners are told so and
         let go."""
-        if self._current is None or not self.finished or any(w in self._admitted for w in self._alive):
+        if not self._over():
             return
         for w in [w for w in self._alive if w not in self._admitted]:
             log.info("%s was pending when the training ended", self._who(w))

@@ -413,6 +413,17 @@ ACTIONS = st.one_of(
         ("join", 2, 1),
     ],
 )
+@example(  # a pending joiner let go when the training ended, then a process of its node key: refused
+    devices=3,
+    allow_joins=True,
+    actions=[
+        ("exit_unregistered", 0),
+        ("exit_unregistered", 3),
+        ("join", 0, 2),
+        ("leave", 0),
+        ("join", 0, 2),
+    ],
+)
 def test_random_interleavings_keep_the_invariants(devices: int, allow_joins: bool, actions: list) -> None:
     h = Harness(6 // devices, devices, allow_joins)
     for name, *args in actions:
