@@ -49,7 +49,9 @@ leave           -                       finished (counts        finished; no    
                                         as ready)               generation change;
                                                                 the last member:
                                                                 FINISHED to the
-                                                                pending joiners
+                                                                pending joiners; a
+                                                                later register:
+                                                                refused
 settle          -                       -                       -                     announce g+1: the
 timer                                                                                 live members (and
                                                                                       the admitted
