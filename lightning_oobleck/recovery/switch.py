@@ -61,7 +61,7 @@ class RecoveryPolicy:
     policy: str = "reinstantiate"
     failure_interval_s: float = 3600.0
     """The configured expected time from one failure to the next."""
-    replace_after_s: float | None = None
+    replace_failed_after_s: float | None = None
     """When a replacement for a failed node joins (the launcher's ``replace_failed_after_s``), if ever."""
     message_tags: bool = True
     """Whether the backend keeps tagged streams apart (gloo does, NCCL does not)."""
@@ -72,7 +72,7 @@ class RecoveryPolicy:
         and the failures the run has seen (:func:`expected_failure_interval_s`; the same on every member),
         or until the replacement joins, whichever comes first."""
         expected = expected_failure_interval_s(self.failure_interval_s, *membership.observed())
-        return expected if self.replace_after_s is None else min(expected, self.replace_after_s)
+        return expected if self.replace_failed_after_s is None else min(expected, self.replace_failed_after_s)
 
 
 def next_plan(

@@ -41,8 +41,8 @@ def test_the_horizon_is_the_revised_failure_interval_or_the_replacements_arrival
     plan = plan_of()
     first = after(plan, 1, 1, 60.0)
     assert RecoveryPolicy("auto", 3600.0).horizon_s(first) == pytest.approx(1830.0)
-    assert RecoveryPolicy("auto", 3600.0, replace_after_s=30.0).horizon_s(first) == 30.0
-    assert RecoveryPolicy("auto", 20.0, replace_after_s=50.0).horizon_s(first) == pytest.approx(40.0)
+    assert RecoveryPolicy("auto", 3600.0, replace_failed_after_s=30.0).horizon_s(first) == 30.0
+    assert RecoveryPolicy("auto", 20.0, replace_failed_after_s=50.0).horizon_s(first) == pytest.approx(40.0)
     # a membership without a record (an older coordinator's message): the configured interval
     bare = Membership.from_message({"generation": 1, "workers": [[0, 0]]})
     assert RecoveryPolicy("auto", 600.0).horizon_s(bare) == 600.0
