@@ -425,22 +425,25 @@ def test_a_stage_split_over_two_processes_loses_global_rank_0(
         assert recoveries[0].copied_bytes > 0
 
 
+def wait_for_the_replacement(trainer: L.Trainer, workers: int, timeout_s: float = 120.0) -> None:
+    """Wait (bounded) until a replacement node waits to join or its join is announced (``workers`` in the
+    newest membership, agreed or not: an announced join waits for this worker to be ready), so that a short
+    run cannot end before the replacement's processes have started on this loaded machine."""
+    agent = trainer.strategy._agent
+    deadline = time.monotonic() + timeout_s
+    while agent.joiners == 0 and len(agent.announced.workers) < workers and time.monotonic() < deadline:
+        time.sleep(0.05)
+
+
 class HoldForTheReplacement(L.Callback):
-    """At step 2 the members wait (bounded) until a replacement waits to join, so that a run of 5 steps cannot
-    end before the replacement's processes have started on this loaded machine."""
+    """At step 2 the members wait for the replacement (:func:`wait_for_the_replacement`)."""
 
     def __init__(self, workers: int) -> None:
         self.workers = workers
 
     def on_train_batch_end(self, trainer: L.Trainer, *args: Any) -> None:
-        agent = trainer.strategy._agent
-        if trainer.global_step != 2 or trainer.strategy.admission is not None:
-            return
-        deadline = time.monotonic() + 120
-        while (
-            agent.joiners == 0 and len(agent.members.workers) < self.workers and time.monotonic() < deadline
-        ):
-            time.sleep(0.05)
+        if trainer.global_step == 2 and trainer.strategy.admission is None:
+            wait_for_the_replacement(trainer, self.workers)
 
 
 @pytest.mark.timeout(300)

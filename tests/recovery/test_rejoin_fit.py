@@ -13,13 +13,12 @@ from __future__ import annotations
 
 import json
 import signal
-import time
 from pathlib import Path
 from typing import Any
 
 import lightning as L
 import pytest
-from test_fault_matrix import FORWARD, Fault
+from test_fault_matrix import FORWARD, Fault, wait_for_the_replacement
 from test_realistic_loop import STEPS, LoopFaults, check_loop, fit_loop, loop_reference  # noqa: F401
 
 from lightning_oobleck.lightning.units import EVENTS_FILE
@@ -29,17 +28,13 @@ HOLD_AT_STEP = 4
 
 
 class HoldForTheReplacement(LoopFaults):
-    """The loop's faults; and at step ``HOLD_AT_STEP`` the members wait (bounded) until the replacement waits
-    to join, so that a run of 9 steps cannot end before a process has started on this loaded machine."""
+    """The loop's faults; and at step ``HOLD_AT_STEP`` the members wait for the replacement
+    (:func:`~test_fault_matrix.wait_for_the_replacement`), so that a run of 9 steps cannot end before it."""
 
     def on_train_batch_end(self, trainer: L.Trainer, *args: Any) -> None:
         super().on_train_batch_end(trainer, *args)
-        agent = trainer.strategy._agent
-        if trainer.global_step != HOLD_AT_STEP or trainer.strategy.admission is not None:
-            return
-        deadline = time.monotonic() + 120
-        while agent.joiners == 0 and len(agent.members.workers) < 6 and time.monotonic() < deadline:
-            time.sleep(0.05)
+        if trainer.global_step == HOLD_AT_STEP and trainer.strategy.admission is None:
+            wait_for_the_replacement(trainer, 6)
 
 
 @pytest.mark.timeout(400)
