@@ -209,6 +209,9 @@ class WorkerAgent:
                     raise RegistrationRefused(
                         f"the coordinator refused worker {tuple(self.worker)}: {first['reason']}"
                     )
+                if first["op"] == "finished":
+                    sock.close()
+                    raise self._not_admitted(first["reason"])
                 self._sock, self.address = sock, address
                 self.worker = Worker(int(first["node"]), self.worker.device)
                 self.registered_at = time.time()
@@ -559,9 +562,7 @@ class WorkerAgent:
             self.joiners = int(msg["nodes"])
         elif op == "finished":
             with self._cond:
-                self._error = TrainingFinished(
-                    f"worker {tuple(self.worker)} was not admitted: {msg['reason']}"
-                )
+                self._error = self._not_admitted(msg["reason"])
                 self._cond.notify_all()
         elif op == "nothing_to_admit":
             with self._cond:
@@ -578,6 +579,10 @@ class WorkerAgent:
                     self._cond.notify_all()
             with self._send_lock:
                 self._outstanding.pop("ready", None)
+
+    def _not_admitted(self, reason: str) -> TrainingFinished:
+        """The error of a joiner that the training ended without: at its registration or while pending."""
+        return TrainingFinished(f"worker {tuple(self.worker)} was not admitted: {reason}")
 
     def _host_standby(self, msg: dict[str, Any]) -> None:
         """Start a standby coordinator on this node, following the active one: a process of its own that ends

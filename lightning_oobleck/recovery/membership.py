@@ -49,9 +49,8 @@ leave           -                       finished (counts        finished; no    
                                         as ready)               generation change;
                                                                 the last member:
                                                                 FINISHED to the
-                                                                pending joiners; a
-                                                                later register:
-                                                                refused
+                                                                pending joiners, and
+                                                                to a later register
 settle          -                       -                       -                     announce g+1: the
 timer                                                                                 live members (and
                                                                                       the admitted
@@ -710,7 +709,8 @@ class MembershipMachine:
             )
             return
         if self._over():
-            self._refuse(peer, f"worker {tuple(worker)} registered after the training ended: nothing to join")
+            log.info("%s registered after the training ended", self._who(worker))
+            self._let_go(peer)
             return
         if worker in self._alive:
             holder = self._alive[worker]
@@ -845,9 +845,12 @@ class MembershipMachine:
             return
         for w in [w for w in self._alive if w not in self._admitted]:
             log.info("%s was pending when the training ended", self._who(w))
-            peer = self._alive.pop(w)
-            self._send(peer, "finished", reason="the training ended before this worker was admitted")
-            self._close(peer)
+            self._let_go(self._alive.pop(w))
+
+    def _let_go(self, peer: _Peer) -> None:
+        """Tell a joiner the training ended before it was admitted (pending then, or registering after)."""
+        self._send(peer, "finished", reason="the training ended before this worker was admitted")
+        self._close(peer)
 
     # ------------------------------------------------------------------ membership changes
 

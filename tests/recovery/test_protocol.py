@@ -31,6 +31,7 @@ from lightning_oobleck.recovery import (
     Worker,
     WorkerAgent,
 )
+from lightning_oobleck.recovery.agent import TrainingFinished
 from lightning_oobleck.recovery.membership import MembershipSettings
 from lightning_oobleck.recovery.protocol import SECRET_ENV, LineReader, Timeouts, encode, parse_address
 
@@ -118,6 +119,25 @@ def test_a_worker_registering_after_the_start_joins_when_a_member_admits_it(coor
     assert agree([a, b, c], 1) == [W(0, 0), W(1, 0), W(2, 0)]
     joined = coordinator.history[1]
     assert (joined.added, joined.removed, joined.agreed_at is not None) == ((W(2, 0),), (), True)
+
+
+def test_a_joiner_the_training_ended_without_is_told_so_alike_pending_or_registering_after() -> None:
+    """A joiner pending when the last member finishes, and one that registers afterwards (a replacement
+    started late), both end with :class:`TrainingFinished` (nothing to do: the launcher and the SLURM task
+    exit cleanly), not one of them with a refusal (an error exit)."""
+    with Coordinator(1, "127.0.0.1", settings=MembershipSettings(heartbeat_timeout=5.0)) as c:
+        member = WorkerAgent((0, 0), c.address).start()
+        member.agree(after=-1, timeout=5.0)
+        pending = WorkerAgent((1, 0), c.address).start()
+        try:
+            wait_until(lambda: member.joiners == 1, 5.0, "the joiner to be pending")
+            member.close(finished=True)
+            with pytest.raises(TrainingFinished, match=r"\(1, 0\) was not admitted: the training ended"):
+                pending.agree(after=-1, timeout=5.0)
+            with pytest.raises(TrainingFinished, match=r"\(2, 0\) was not admitted: the training ended"):
+                WorkerAgent((2, 0), c.address, connect_timeout=5.0).start()
+        finally:
+            pending.close()
 
 
 @pytest.mark.parametrize("coordinator", [{"world_size": 3}], indirect=True)
