@@ -91,13 +91,21 @@ log = logging.getLogger(__name__)
 
 _KILL_JOIN_TIMEOUT_S = 10.0
 _RELEASE_TIMEOUT_S = 300.0
+"""How long a started worker waits for the supervisor's store and services to come up."""
+_UNGUARDED_SCRIPT_EXIT = 78
+"""A worker's exit status when importing the user's script started a fit
+(:func:`_exit_if_importing_script`)."""
+UNGUARDED_SCRIPT = (
+    "your script starts training when it is imported: the workers (start_method={method!r}) import it to "
+    "find its classes, so put the code that builds the Trainer and calls fit under "
+    '`if __name__ == "__main__":` (as in the README\'s example)'
+)
 
 FORWARDED_ENV = (FAULTS_ENV,)
 """Variables of the launching process handed to every worker as they are when the fit starts."""
 FORKSERVER_PRELOAD = ("torch", "torch.distributed", "lightning.pytorch", "lightning_oobleck.lightning")
 """Imported once by the fork server, so that forked workers start without importing them again. The fork
 server is one per process: whoever starts it first sets what it preloads."""
-"""How long a started worker waits for the supervisor's store and services to come up."""
 _MAX_WAIT_S = 1.0
 """Longest single wait on worker sentinels, so that deadlines are checked at least this often."""
 
@@ -309,7 +317,7 @@ class OobleckLauncher(Launcher):
         workers. Raises :class:`LaunchError` if no worker finished, ``TimeoutError`` past ``timeout_s``.
         """
         if self.start_method != "fork":
-            check_missing_main_guard()
+            _exit_if_importing_script()
         else:
             check_bad_cuda_fork()
         if self.preflight is not None and trainer is not None:
@@ -395,7 +403,8 @@ class OobleckLauncher(Launcher):
             position = local_worker_env(
                 rank, self.num_processes, self.devices_per_node, supervisor.store_addr
             )
-            pipe.send({**supervisor.worker_env, **position})
+            with contextlib.suppress(BrokenPipeError):  # a worker already gone: its exit is reported
+                pipe.send({**supervisor.worker_env, **position})
 
     def _supervise(self, supervisor: Supervisor, workdir: Path) -> LaunchReport:
         """Wait for every worker, telling the services of each exit and starting the replacements that are
@@ -420,6 +429,8 @@ class OobleckLauncher(Launcher):
             for sentinel in wait_for_sentinels(list(running), timeout=max(0.0, min([_MAX_WAIT_S, *waits]))):
                 rank = running[sentinel]  # type: ignore[index]
                 exitcodes[rank] = self._reap(rank)
+                if exitcodes[rank] == _UNGUARDED_SCRIPT_EXIT:
+                    raise LaunchError(UNGUARDED_SCRIPT.format(method=self.start_method))
                 supervisor.worker_exited(rank, exitcodes[rank])
                 finished = result_path(workdir, rank).exists()
                 if (error := _training_error(workdir, rank)) is not None:
@@ -540,6 +551,17 @@ def _worker_main(
         sys.exit(1)  # the supervisor reports it, once (multiprocessing would print every worker's traceback)
     close_process_agent()  # the process ends here (without atexit handlers)
     write_worker_result(spec.workdir, spec.rank, value, trainer)
+
+
+def _exit_if_importing_script() -> None:
+    """In a worker importing the user's script (``forkserver``, ``spawn``: to find what the pickled fit
+    refers to), a fit started at the script's top level would launch workers of its own. The worker exits at
+    once, printing nothing, and its supervisor raises one error saying why (:data:`UNGUARDED_SCRIPT`), instead
+    of every worker printing Lightning's traceback."""
+    try:
+        check_missing_main_guard()
+    except RuntimeError:
+        os._exit(_UNGUARDED_SCRIPT_EXIT)
 
 
 def _exit_with_supervisor(lifeline: Connection) -> None:

@@ -12,6 +12,7 @@ import subprocess
 import sys
 import textwrap
 import time
+import types
 from datetime import timedelta
 from pathlib import Path
 
@@ -243,3 +244,33 @@ def test_supervisor_store_serves_the_jobs_processes_only():
             KeyStoreClient(address, "guessed", STORE_TIMEOUT)
     with pytest.raises(RuntimeError, match="not started"):
         _ = supervisor.store_addr
+
+
+UNGUARDED_SCRIPT_TEXT = """
+from lightning_oobleck.lightning.launcher import OobleckLauncher
+
+OobleckLauncher(3, timeout_s=60).launch(print)  # no `if __name__ == "__main__":`
+"""
+
+
+@pytest.mark.timeout(120)
+def test_a_script_without_the_main_guard_ends_in_one_error_that_names_the_fix(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+):
+    """The workers import the user's script (forkserver: multiprocessing runs the main module's file in each
+    worker before it unpickles its function). A script that launches at import launches again in every
+    worker: each exits at once, silently (status 78, not a traceback each), and the launching process
+    raises one error that says so and how to fix it (before: three tracebacks and a broken pipe). The
+    script is this process's main module for the launch, as when the user runs ``python train.py``."""
+    script = tmp_path / "train.py"
+    script.write_text(UNGUARDED_SCRIPT_TEXT)
+    main = types.ModuleType("__main__")
+    main.__file__ = str(script)
+    monkeypatch.setitem(sys.modules, "__main__", main)
+    with pytest.raises(LaunchError) as raised:
+        OobleckLauncher(3, timeout_s=60).launch(report_position)
+    assert str(raised.value) == (
+        "your script starts training when it is imported: the workers (start_method='forkserver') import it "
+        "to find its classes, so put the code that builds the Trainer and calls fit under "
+        '`if __name__ == "__main__":` (as in the README\'s example)'
+    )

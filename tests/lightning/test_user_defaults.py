@@ -88,12 +88,14 @@ def fit(
     ckpt_path: Path | None = None,
     callbacks: list[L.Callback] | None = None,
     layout: list[list[int]] | None = None,
+    recovery_policy: str = "reinstantiate",
 ) -> dict[str, torch.Tensor]:
     strategy = OobleckStrategy(
         microbatch_size=2,
         fault_tolerance=fault_tolerance,
         planner={"cluster": {"device_memory_bytes": 60_000}},  # two devices hold the model
         layout=layout,
+        recovery_policy=recovery_policy,
     )
     trainer = L.Trainer(
         strategy=strategy, devices=devices, max_steps=steps, precision="64-true", callbacks=callbacks
@@ -205,6 +207,26 @@ def test_an_error_on_one_rank_is_a_fault_and_is_survived(
 ) -> None:
     monkeypatch.chdir(tmp_path)
     assert_same_weights(fit(RaisesAtStep3(rank=2), 8), uninterrupted)
+
+
+@pytest.mark.timeout(240)
+def test_rerouting_at_the_defaults_trains_on_and_checkpoints_every_layer(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, uninterrupted: dict[str, torch.Tensor]
+) -> None:
+    """``recovery_policy="reroute"`` as the README shows it: rank 0 (the first stage of pipeline 0) is
+    SIGKILLed at step 3; pipeline 0 keeps its second stage and pipeline 1's first stage runs its micro-batches
+    too, nothing copied. The weights are the uninterrupted run's, and the default checkpoint at the end,
+    written by the new rank 0, holds every layer once, from the replicas that still hold it."""
+    monkeypatch.chdir(tmp_path)
+    survived = fit(Regressor(), 8, callbacks=[KillAt(0, 3)], recovery_policy="reroute")
+    assert_same_weights(survived, uninterrupted)
+    [events] = tmp_path.glob(f"lightning_logs/version_0/{EVENTS_FILE}")
+    [recovery] = read_events(events)[1]
+    assert (recovery.removed, recovery.recovery_policy, recovery.copied_bytes) == ([[0, 0]], "reroute", 0)
+    checkpoint = tmp_path / "lightning_logs" / "version_0" / "checkpoints" / "epoch=0-step=8.ckpt"
+    index = json.loads((checkpoint / "index.json").read_text())["layers"]
+    assert sorted(index) == ["0", "1", "2", "3"] and "0.0" not in index.values()
+    assert all((checkpoint / "shards" / shard / ".metadata").exists() for shard in index.values())
 
 
 class Stranger(threading.Thread):
