@@ -57,6 +57,8 @@ class StepLines(ProgressBar):
         self.every = max(every, 1)
         self._enabled = True
         self._since: tuple[float, int] | None = None
+        self._epoch = 0
+        """The epoch of the last step: past the last one, Lightning's count has moved to the next epoch."""
 
     @property
     @override
@@ -78,11 +80,13 @@ class StepLines(ProgressBar):
     @override
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self._since = (time.monotonic(), trainer.global_step)
+        self._epoch = trainer.current_epoch
 
     @override
     def on_train_batch_end(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int
     ) -> None:
+        self._epoch = trainer.current_epoch
         if trainer.global_step % self.every == 0:
             self._print_step(trainer, pl_module)
 
@@ -104,9 +108,7 @@ class StepLines(ProgressBar):
         self._since = (now, step)
         total = f"/{trainer.max_steps}" if trainer.max_steps > 0 else ""
         values = self._values(trainer, pl_module)
-        self._print(
-            f"step {step}{total} (epoch {trainer.current_epoch}){' ' + values if values else ''}{rate}"
-        )
+        self._print(f"step {step}{total} (epoch {self._epoch}){' ' + values if values else ''}{rate}")
 
     def _values(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> str:
         metrics = {k: v for k, v in self.get_metrics(trainer, pl_module).items() if k != "v_num"}
