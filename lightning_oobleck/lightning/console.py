@@ -80,7 +80,6 @@ class StepLines(ProgressBar):
     @override
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self._since = (time.monotonic(), trainer.global_step)
-        self._epoch = trainer.current_epoch
 
     @override
     def on_train_batch_end(

@@ -95,7 +95,7 @@ _RELEASE_TIMEOUT_S = 300.0
 _UNGUARDED_SCRIPT_EXIT = 78
 """A worker's exit status when importing the user's script started a fit
 (:func:`_exit_if_importing_script`)."""
-UNGUARDED_SCRIPT = (
+_UNGUARDED_SCRIPT = (
     "your script starts training when it is imported: the workers (start_method={method!r}) import it to "
     "find its classes, so put the code that builds the Trainer and calls fit under "
     '`if __name__ == "__main__":` (as in the README\'s example)'
@@ -430,7 +430,7 @@ class OobleckLauncher(Launcher):
                 rank = running[sentinel]  # type: ignore[index]
                 exitcodes[rank] = self._reap(rank)
                 if exitcodes[rank] == _UNGUARDED_SCRIPT_EXIT:
-                    raise LaunchError(UNGUARDED_SCRIPT.format(method=self.start_method))
+                    raise LaunchError(_UNGUARDED_SCRIPT.format(method=self.start_method))
                 supervisor.worker_exited(rank, exitcodes[rank])
                 finished = result_path(workdir, rank).exists()
                 if (error := _training_error(workdir, rank)) is not None:
@@ -556,8 +556,8 @@ def _worker_main(
 def _exit_if_importing_script() -> None:
     """In a worker importing the user's script (``forkserver``, ``spawn``: to find what the pickled fit
     refers to), a fit started at the script's top level would launch workers of its own. The worker exits at
-    once, printing nothing, and its supervisor raises one error saying why (:data:`UNGUARDED_SCRIPT`), instead
-    of every worker printing Lightning's traceback."""
+    once, printing nothing, and its supervisor raises one error saying why (:data:`_UNGUARDED_SCRIPT`),
+    instead of every worker printing Lightning's traceback."""
     try:
         check_missing_main_guard()
     except RuntimeError:

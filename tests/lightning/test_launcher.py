@@ -7,12 +7,12 @@ Workers here run tiny functions (``fork``: no re-import of Lightning per worker)
 from __future__ import annotations
 
 import os
+import runpy
 import signal
 import subprocess
 import sys
 import textwrap
 import time
-import types
 from datetime import timedelta
 from pathlib import Path
 
@@ -247,9 +247,33 @@ def test_supervisor_store_serves_the_jobs_processes_only():
 
 
 UNGUARDED_SCRIPT_TEXT = """
-from lightning_oobleck.lightning.launcher import OobleckLauncher
+import lightning as L
+import torch
+from torch import nn
+from torch.utils.data import DataLoader, TensorDataset
 
-OobleckLauncher(3, timeout_s=60).launch(print)  # no `if __name__ == "__main__":`
+from lightning_oobleck import OobleckStrategy, PipelineModule
+
+
+class Regressor(PipelineModule, L.LightningModule):
+    def __init__(self):
+        super().__init__()
+        self.example_input_array = torch.zeros(1, 4)
+
+    def configure_layers(self):
+        return [nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 1)]
+
+    def compute_loss(self, output, target):
+        return nn.functional.mse_loss(output, target)
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.1)
+
+
+# no `if __name__ == "__main__":`
+data = TensorDataset(torch.randn(32, 4), torch.randn(32, 1))
+trainer = L.Trainer(strategy=OobleckStrategy(microbatch_size=2), devices=3, max_steps=2)
+trainer.fit(Regressor(), DataLoader(data, batch_size=8))
 """
 
 
@@ -257,18 +281,16 @@ OobleckLauncher(3, timeout_s=60).launch(print)  # no `if __name__ == "__main__":
 def test_a_script_without_the_main_guard_ends_in_one_error_that_names_the_fix(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ):
-    """The workers import the user's script (forkserver: multiprocessing runs the main module's file in each
-    worker before it unpickles its function). A script that launches at import launches again in every
-    worker: each exits at once, silently (status 78, not a traceback each), and the launching process
-    raises one error that says so and how to fix it (before: three tracebacks and a broken pipe). The
-    script is this process's main module for the launch, as when the user runs ``python train.py``."""
+    """A user's script that calls ``Trainer.fit`` at its top level, run as ``python train.py`` runs it (the
+    script is the main module). The workers import it (forkserver: multiprocessing runs the main module's
+    file in each worker before it unpickles the fit), so the fit starts again in every worker: each exits at
+    once, silently (not a traceback each), and the user's fit raises one error that says so and how to fix
+    it (before: three tracebacks and a broken pipe)."""
+    monkeypatch.chdir(tmp_path)
     script = tmp_path / "train.py"
     script.write_text(UNGUARDED_SCRIPT_TEXT)
-    main = types.ModuleType("__main__")
-    main.__file__ = str(script)
-    monkeypatch.setitem(sys.modules, "__main__", main)
     with pytest.raises(LaunchError) as raised:
-        OobleckLauncher(3, timeout_s=60).launch(report_position)
+        runpy.run_path(str(script), run_name="__main__")
     assert str(raised.value) == (
         "your script starts training when it is imported: the workers (start_method='forkserver') import it "
         "to find its classes, so put the code that builds the Trainer and calls fit under "
