@@ -12,7 +12,10 @@ ended and each recovery resumed.
 Predicted: :func:`~lightning_oobleck.simulation.simulate_oobleck` on the same plan, with a trace of the same
 two losses at the measured kill times, the default :class:`~lightning_oobleck.simulation.Costs`, over the
 real run's horizon: from the end of its first step (which includes the warm-up a steady-state model does not
-know) to the end of its last.
+know) to the end of its last. The cost model is calibrated to the host first: its compute times and link
+latencies are multiplied by the failure-free phase's measured step over the model's (the shared 2 cores run
+the same run 5-35% slower on a busy day than on an idle one), which leaves the planner's layouts as they are;
+so the comparison is of what the failures cost, the pauses, the new layouts and their slower steps.
 
 It prints, per phase between failures, the pipelines the real run used against the simulator's, the cost
 model's iteration time against the median measured one, and the pause of each recovery; then the samples
@@ -59,15 +62,17 @@ DEVICE_MEMORY_BYTES = 1_200
 DEFAULT_KILLS = ((1, 3.5), (2, 7.5))
 
 
-def job_plan() -> Plan:
+def job_plan(speed: float = 1.0) -> Plan:
     """The planner's plan for the emulated model on 6 nodes, f = 2; a device holds half the layers at most,
-    so pipelines have two stages or more and a failure moves layers."""
-    profile = emulated_profile(LAYERS, WIDTH, TIMES, MICRO)
+    so pipelines have two stages or more and a failure moves layers. ``speed``: every compute time and
+    link latency of the profile multiplied by it (the same layouts, every time ``speed`` times longer)."""
+    times = DeviceTimes(*(speed * t for t in (TIMES.forward_s, TIMES.input_grad_s, TIMES.weight_grad_s)))
+    profile = emulated_profile(LAYERS, WIDTH, times, MICRO)
     cluster = ClusterSpec(
         num_nodes=NODES,
         device_memory_bytes=DEVICE_MEMORY_BYTES,
-        intra_node_latency_s=LINK_LATENCY_S,
-        inter_node_latency_s=LINK_LATENCY_S,
+        intra_node_latency_s=speed * LINK_LATENCY_S,
+        inter_node_latency_s=speed * LINK_LATENCY_S,
     )
     return make_plan(
         profile, cluster, fault_tolerance=2, global_batch_size=GLOBAL_BATCH, microbatch_size=MICRO
@@ -177,6 +182,10 @@ class Validation:
     kills: list[tuple[int, float]]
     """(node, seconds) of each kill, in time order."""
     horizon_s: float
+    speed: float
+    """The host's speed against the cost model: the failure-free phase's measured step over the model's. The
+    prediction runs the model's times multiplied by it: the step before any failure is the host's, what the
+    failures cost (pauses, new layouts, their slower steps) is the simulator's."""
     phases: list[Phase]
     recovery_s: list[float]
     """Each failure's pause in the real run: from the kill to the resumed training."""
@@ -202,8 +211,14 @@ def events_file(out: Path) -> Path:
     return path
 
 
+def layouts(plan: Plan) -> list[tuple[tuple[int, ...], tuple[int, ...], int]]:
+    """Each pipeline's nodes, layer split and micro-batches: what the planner chose, times aside."""
+    return [(p.nodes, tuple(len(stage.layers) for stage in p.stages), p.microbatches) for p in plan.pipelines]
+
+
 def analyse(out: Path, plan: Plan) -> Validation:
-    """Compare the real run in ``out`` with :func:`simulate_oobleck` of ``plan`` on its kill times."""
+    """Compare the real run in ``out`` with :func:`simulate_oobleck` of ``plan`` on its kill times, the cost
+    model calibrated to the host by the run's failure-free phase."""
     steps, recoveries = read_events(events_file(out))
     origin = steps[0]["time"]
     kills = sorted(
@@ -232,16 +247,21 @@ def analyse(out: Path, plan: Plan) -> Validation:
                 predicted_step_s=predicted_plan.iteration_time_s,
             )
         )
-    result = predicted(plan, kills, horizon)
+    speed = phases[0].measured_step_s / phases[0].predicted_step_s
+    calibrated = job_plan(speed)
+    if layouts(calibrated) != layouts(plan):
+        raise AssertionError(f"the layouts changed at the speed {speed:.3f}: {calibrated} != {plan}")
+    result = predicted(calibrated, kills, horizon)
     pauses = [s.end_s - s.start_s for s in result.segments if s.samples_per_s == 0]
     times = [t for _, t in kills] + [horizon]
     return Validation(
         kills=kills,
         horizon_s=horizon,
+        speed=speed,
         phases=phases,
         recovery_s=[e.resumed_at - origin - t for e, (_, t) in zip(recoveries, kills, strict=False)],
         predicted_recovery_s=pauses,
-        trained=[(t, trained(t), predicted(plan, kills, t).samples) for t in times],
+        trained=[(t, trained(t), predicted(calibrated, kills, t).samples) for t in times],
     )
 
 
@@ -255,7 +275,8 @@ def predicted(plan: Plan, kills: list[tuple[int, float]], until: float) -> Polic
 
 def print_tables(v: Validation, console: Console) -> None:
     phases = Table(title="Phases between failures: the real run against the simulator")
-    for column in ("phase", "pipelines (real)", "pipelines (simulated)", "step s measured", "step s model"):
+    columns = ("pipelines (real)", "pipelines (simulated)", "step s measured", "step s model", "x speed")
+    for column in ("phase", *columns):
         phases.add_column(column, justify="left" if column.startswith(("phase", "pipelines")) else "right")
     names = ["start"] + [f"after node {node} lost at {t:.1f} s" for node, t in v.kills]
     for name, p in zip(names, v.phases, strict=True):
@@ -265,8 +286,10 @@ def print_tables(v: Validation, console: Console) -> None:
             _layout(p.predicted_pipelines),
             f"{p.measured_step_s:.3f}",
             f"{p.predicted_step_s:.3f}",
+            f"{v.speed * p.predicted_step_s:.3f}",
         )
     console.print(phases)
+    console.print(f"the host's speed against the cost model (measured / model, failure-free): {v.speed:.3f}")
     samples = Table(title="Samples trained (from the end of the first step)")
     for column in ("by", "seconds", "real", "simulated", "real / simulated", "recovery s real", "simulated"):
         samples.add_column(column, justify="left" if column == "by" else "right")
@@ -278,7 +301,7 @@ def print_tables(v: Validation, console: Console) -> None:
     console.print(samples)
 
 
-def plot(out: Path, plan: Plan, v: Validation, path: str) -> None:
+def plot(out: Path, v: Validation, path: str) -> None:
     """Samples trained over time, real (the event file's steps) and simulated (its segments)."""
     import matplotlib
 
@@ -292,7 +315,8 @@ def plot(out: Path, plan: Plan, v: Validation, path: str) -> None:
         real_t.append(s["time"] - origin)
         real_n.append(real_n[-1] + s["samples"])
     sim_t = [v.horizon_s * k / 400 for k in range(1, 401)]
-    sim_n = [predicted(plan, v.kills, t).samples for t in sim_t]
+    calibrated = job_plan(v.speed)
+    sim_n = [predicted(calibrated, v.kills, t).samples for t in sim_t]
     fig, ax = plt.subplots(figsize=(7, 4))
     ax.step(real_t, real_n, where="post", label="real run (6 processes, emulated devices)")
     ax.step(sim_t, sim_n, "--", where="post", label="oobleck simulate")
@@ -328,7 +352,7 @@ def main() -> None:
         v = analyse(out, plan)
         print_tables(v, console)
         if args.plot:
-            plot(out, plan, v, args.plot)
+            plot(out, v, args.plot)
 
 
 if __name__ == "__main__":
