@@ -216,18 +216,21 @@ def test_rerouting_at_the_defaults_trains_on_and_checkpoints_every_layer(
 ) -> None:
     """``recovery_policy="reroute"`` as the README shows it: rank 0 (the first stage of pipeline 0) is
     SIGKILLed at step 3; pipeline 0 keeps its second stage and pipeline 1's first stage runs its micro-batches
-    too, nothing copied. The weights are the uninterrupted run's, and the default checkpoint at the end,
-    written by the new rank 0, holds every layer once, from the replicas that still hold it."""
+    too, nothing copied. The default checkpoint at step 6, written by the new rank 0 in the rerouted layout,
+    holds every layer once, from the replicas that still hold it; resumed from it on another layout, training
+    ends with the uninterrupted run's weights."""
     monkeypatch.chdir(tmp_path)
-    survived = fit(Regressor(), 8, callbacks=[KillAt(0, 3)], recovery_policy="reroute")
-    assert_same_weights(survived, uninterrupted)
+    fit(Regressor(), 6, callbacks=[KillAt(0, 3)], recovery_policy="reroute")
     [events] = tmp_path.glob(f"lightning_logs/version_0/{EVENTS_FILE}")
-    [recovery] = read_events(events)[1]
+    steps, [recovery] = read_events(events)
     assert (recovery.removed, recovery.recovery_policy, recovery.copied_bytes) == ([[0, 0]], "reroute", 0)
-    checkpoint = tmp_path / "lightning_logs" / "version_0" / "checkpoints" / "epoch=0-step=8.ckpt"
+    assert [s["generation"] for s in steps][-3:] == [recovery.generation] * 3, "steps 4-6 ran rerouted"
+    checkpoint = tmp_path / "lightning_logs" / "version_0" / "checkpoints" / "epoch=0-step=6.ckpt"
     index = json.loads((checkpoint / "index.json").read_text())["layers"]
     assert sorted(index) == ["0", "1", "2", "3"] and "0.0" not in index.values()
     assert all((checkpoint / "shards" / shard / ".metadata").exists() for shard in index.values())
+    resumed = fit(Regressor(), 8, devices=2, fault_tolerance=0, ckpt_path=checkpoint)
+    assert_same_weights(resumed, uninterrupted)
 
 
 class Stranger(threading.Thread):
