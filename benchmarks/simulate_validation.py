@@ -275,8 +275,14 @@ def predicted(plan: Plan, kills: list[tuple[int, float]], until: float) -> Polic
 
 def print_tables(v: Validation, console: Console) -> None:
     phases = Table(title="Phases between failures: the real run against the simulator")
-    columns = ("pipelines (real)", "pipelines (simulated)", "step s measured", "step s model", "x speed")
-    for column in ("phase", *columns):
+    for column in (
+        "phase",
+        "pipelines (real)",
+        "pipelines (simulated)",
+        "step s measured",
+        "step s model",
+        "model x speed",
+    ):
         phases.add_column(column, justify="left" if column.startswith(("phase", "pipelines")) else "right")
     names = ["start"] + [f"after node {node} lost at {t:.1f} s" for node, t in v.kills]
     for name, p in zip(names, v.phases, strict=True):
