@@ -53,36 +53,43 @@ def simulated_s(plan: Plan, profile: ModelProfile) -> float:
     return max(cost.simulated_time_s(p.template, p.microbatches) for p in plan.pipelines)
 
 
+def misses(measured: dict[str, float], simulated: dict[str, float]) -> list[str]:
+    """What of the schedules' promises ``measured`` breaks: each within -5%..+35% of its simulation (the
+    simulation has no per-action overhead, which grows on a slow machine: 1.22 of it was seen for ZB-H1 on
+    a loaded day, 1.00-1.10 on a quiet one; a ZB-H1 that lost its overlap would be 1.4 or more), ZB-H1's
+    speedup over 1F1B that of the simulation within 0.07, and below 0.95."""
+    broken = [
+        f"{schedule} took {measured[schedule] / simulated[schedule]:.2f} of its simulation"
+        for schedule in SCHEDULE_NAMES
+        if not 0.95 < measured[schedule] / simulated[schedule] < 1.35
+    ]
+    speedup, predicted = measured["zb-h1"] / measured["1f1b"], simulated["zb-h1"] / simulated["1f1b"]
+    if abs(speedup - predicted) > 0.07 or speedup >= 0.95:
+        broken.append(f"ZB-H1 took {speedup:.3f} of 1F1B's time, simulated {predicted:.3f}")
+    return broken
+
+
 @pytest.mark.timeout(300)
 @pytest.mark.slow
 def test_measured_iteration_times_match_the_event_simulation(pool: WorkerPool, profile: ModelProfile) -> None:
+    """8 processes share 2 cores, and load from elsewhere only slows a run, more so the schedule with more
+    actions running at once (ZB-H1): a layout that breaks a promise is measured once more, both schedules,
+    and each schedule's fastest is kept (CI once measured ZB-H1 at 0.81 of 1F1B's time on 8 stages, against
+    0.71 simulated, on a machine 15-30% slower than usual)."""
     generation = 0
     for name, layout in LAYOUTS.items():
-        measured, simulated = {}, {}
-        for schedule in SCHEDULE_NAMES:
-            plan = dataclasses.replace(layout, schedule=schedule)
-            simulated[schedule] = simulated_s(plan, profile)
-            # 8 processes share 2 cores: load from elsewhere only slows a run, so a run more than 35% slower
-            # than the simulation is measured once more and the faster one kept. The simulation has no
-            # per-action overhead, which grows on a slow machine: 1.22 of it was seen for ZB-H1 on a loaded
-            # day (1.00-1.10 on a quiet one); a ZB-H1 that lost its overlap would be 1.4 or more. The
-            # speedup below compares the two schedules measured side by side, which load does not skew.
-            for _ in range(2):
+        plans = {schedule: dataclasses.replace(layout, schedule=schedule) for schedule in SCHEDULE_NAMES}
+        simulated = {schedule: simulated_s(plan, profile) for schedule, plan in plans.items()}
+        measured: dict[str, float] = {}
+        for _ in range(2):
+            for schedule, plan in plans.items():
                 generation += 1
                 task = (wl.emulated_steps, (plan, generation, STEPS))
                 run = max(pool.run(dict.fromkeys(range(len(plan.workers)), task), timeout=120).values())
                 measured[schedule] = min(run, measured.get(schedule, run))
-                if measured[schedule] / simulated[schedule] < 1.35:
-                    break
-            assert 0.95 < measured[schedule] / simulated[schedule] < 1.35, (
-                name,
-                schedule,
-                measured,
-                simulated,
-            )
-        speedup = measured["zb-h1"] / measured["1f1b"]
-        assert speedup == pytest.approx(simulated["zb-h1"] / simulated["1f1b"], abs=0.07), (name, measured)
-        assert speedup < 0.95, name
+            if not misses(measured, simulated):
+                break
+        assert not misses(measured, simulated), (name, misses(measured, simulated), measured, simulated)
 
 
 def recovery_case(nodes: int, per_device: int, batch: int) -> Plan:
