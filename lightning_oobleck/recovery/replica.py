@@ -19,7 +19,8 @@ worker): a worker that loses the active reconnects to that standby only.
 **Failover.** The standby takes over (*promotes*, epoch + 1) when its link to the active
 
 * ends without a word (closed or reset by the other host: the active's process is gone) while the standby
-  is in step with it: at once;
+  is in step with it: at once, unless the active was isolated (below) and no quorum had yet acknowledged
+  this standby: its predecessor may still be elected, so this one collects votes like a candidate;
 * falls silent for a heartbeat timeout: it becomes a *candidate* and takes over once the workers of more than
   half of the newest generation it knows voted for it (also if the link then ends: the active may have
   decided alone meanwhile, and only the votes tell what). A worker votes by reconnecting (``reattach``),
@@ -51,7 +52,9 @@ ack           release held effects; the   -                           -
               first: designate it
 link silent   dismiss it, isolate,        CANDIDATE                   -
               release held effects
-link ends     release held effects        promote at once             keep counting votes
+link ends     release held effects        promote at once (a          keep counting votes
+                                          CANDIDATE if the active
+                                          was isolated)
 reattach      the machine's               hold the vote (fenced if    count the vote; promote on
                                           the active declared it      more than half of the
                                           dead)                       newest generation
@@ -299,6 +302,15 @@ class Replica:
             self._leader = None
             if not self._synced:
                 self._end(f"the active coordinator's link ended ({reason}) before its state came")
+            elif self.role is Role.STANDBY and self.machine.isolated:
+                # designated by an active cut off from its previous standby, and not yet acknowledged by the
+                # quorum that ends that: the previous standby may still be elected, so only votes tell
+                log.warning(
+                    "the active coordinator's link ended (%s) before a quorum acknowledged this standby: "
+                    "collecting votes",
+                    reason,
+                )
+                self._stand(now)
             elif self.role is Role.STANDBY:
                 log.warning("the active coordinator's link ended (%s): its process is gone", reason)
                 self._promote(now)
@@ -329,11 +341,7 @@ class Replica:
             log.warning(
                 "the active coordinator sent nothing for %.1f s: collecting votes", now - self._link_heard
             )
-            self.role = Role.CANDIDATE
-            current = self.machine.current
-            self._quorum = frozenset(current.workers) if current is not None else frozenset()
-            self._candidate_until = now + self.settings.candidate_timeout_s
-            self._count_votes(now)
+            self._stand(now)
         elif self.role is Role.CANDIDATE and now >= self._candidate_until:
             self._end(f"no quorum voted for this standby within {self.settings.candidate_timeout_s:g} s")
 
@@ -578,6 +586,15 @@ class Replica:
         log.info("worker %s lost the active coordinator and voted for this standby", tuple(worker))
         if self.role is Role.CANDIDATE:
             self._count_votes(now)
+
+    def _stand(self, now: float) -> None:
+        """Become a candidate: take over once the workers of more than half of the newest generation this
+        standby knows voted for it."""
+        self.role = Role.CANDIDATE
+        current = self.machine.current
+        self._quorum = frozenset(current.workers) if current is not None else frozenset()
+        self._candidate_until = now + self.settings.candidate_timeout_s
+        self._count_votes(now)
 
     def _count_votes(self, now: float) -> None:
         if 2 * len(self._quorum & self._votes.keys()) > len(self._quorum):
