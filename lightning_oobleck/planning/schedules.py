@@ -31,7 +31,6 @@ from __future__ import annotations
 
 import heapq
 import itertools
-import math
 from collections import defaultdict
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
@@ -65,7 +64,7 @@ class Payload(str, Enum):
     GRADIENT = "gradient"
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class Action:
     """One thing one worker does in a step.
 
@@ -180,24 +179,31 @@ def pipeline_actions(
     """
     generator = SCHEDULES[check_schedule_name(schedule)]
     num_stages, m = len(spec.workers), len(spec.microbatches)
+    forward, send, recv = Op.F, Op.SEND, Op.RECV  # hundreds of thousands of actions at scale
+    activation, gradient = Payload.ACTIVATION, Payload.GRADIENT
     out: Schedule = {}
     for s, worker in enumerate(spec.workers):
         prev = spec.workers[s - 1] if s > 0 else None
         nxt = spec.workers[s + 1] if s < num_stages - 1 else None
         layers = spec.layers[s]
-        order = generator(num_stages, s, m) if train else [(Op.F, i) for i in range(m)]
+        order = generator(num_stages, s, m) if train else [(forward, i) for i in range(m)]
         actions: list[Action] = []
         for op, i in order:
             mb = spec.microbatches[i]
-            if op is Op.F and prev is not None:
-                actions.append(Action(Op.RECV, mb, peer=prev, payload=Payload.ACTIVATION, channel=channel))
-            if op in (Op.I, Op.B) and nxt is not None:
-                actions.append(Action(Op.RECV, mb, peer=nxt, payload=Payload.GRADIENT, channel=channel))
-            actions.append(Action(op, mb, layers))
-            if op is Op.F and nxt is not None:
-                actions.append(Action(Op.SEND, mb, peer=nxt, payload=Payload.ACTIVATION, channel=channel))
-            if op in (Op.I, Op.B) and prev is not None:
-                actions.append(Action(Op.SEND, mb, peer=prev, payload=Payload.GRADIENT, channel=channel))
+            if op is forward:
+                if prev is not None:
+                    actions.append(Action(recv, mb, peer=prev, payload=activation, channel=channel))
+                actions.append(Action(op, mb, layers))
+                if nxt is not None:
+                    actions.append(Action(send, mb, peer=nxt, payload=activation, channel=channel))
+            elif op is Op.I or op is Op.B:
+                if nxt is not None:
+                    actions.append(Action(recv, mb, peer=nxt, payload=gradient, channel=channel))
+                actions.append(Action(op, mb, layers))
+                if prev is not None:
+                    actions.append(Action(send, mb, peer=prev, payload=gradient, channel=channel))
+            else:
+                actions.append(Action(op, mb, layers))
         if train:
             actions += reduce_actions((buckets or {}).get(worker, [layers]))
         out[worker] = actions
@@ -442,85 +448,114 @@ def merge(
     lands where its own lists would wait: in their bubbles. Each worker's first startable action waits in
     a heap, re-offered only when the worker or a message to it moves: ``O(actions log workers)``.
     """
-    units: dict[Worker, list[list[list[Action]]]] = defaultdict(list)
+    # Workers by index (their order of first appearance, the last tie-break), each's parts as units.
+    index: dict[Worker, int] = {}
+    for part in parts:
+        for worker in part:
+            index.setdefault(worker, len(index))
+    workers = list(index)
+    units: list[list[list[_Unit]]] = [[] for _ in workers]
     for part in parts:
         for worker, actions in part.items():
-            chunks: list[list[Action]] = []
-            pending: list[Action] = []
-            for a in actions:
-                if a.op is Op.REDUCE:
-                    continue
-                if a.op is Op.SEND and chunks:
-                    chunks[-1].append(a)
-                    continue
-                pending.append(a)
-                if a.op in COMPUTE:
-                    chunks.append(pending)
-                    pending = []
-            if pending:
-                raise ScheduleError(f"worker {worker}: {pending[0]} is not followed by a compute action")
-            units[worker].append(chunks)
-    position = {w: [0] * len(ps) for w, ps in units.items()}
-    clock = dict.fromkeys(units, 0.0)
-    arrivals: dict[tuple[Worker, Worker, Payload, int], float] = {}
-    out: Schedule = {w: [] for w in units}
-    order = {w: i for i, w in enumerate(units)}
-    version = dict.fromkeys(units, 0)
-    # Each worker's action that can start first, in a heap keyed (start, priority, part, worker order);
-    # an entry is stale once its worker's version moved on (its clock advanced or a message arrived).
-    ready: list[tuple[float, int, int, int, int, Worker]] = []
+            units[index[worker]].append(_units(worker, actions, index))
+    position = [[0] * len(ps) for ps in units]
+    merged: list[list[Action]] = [[] for _ in workers]
+    clock = [0.0] * len(workers)
+    version = [0] * len(workers)
+    arrivals: dict[_MessageKey, float] = {}
+    # Each worker's action that can start first, in a heap keyed (start, priority, part, worker); an entry
+    # is stale once its worker's version moved on (its clock advanced or a message arrived).
+    ready: list[tuple[float, int, int, int, int]] = []
 
-    def offer(worker: Worker) -> None:
-        version[worker] += 1
+    def offer(w: int) -> None:
+        version[w] += 1
         best: tuple[float, int, int] | None = None
-        for k, chunk_list in enumerate(units[worker]):
-            if position[worker][k] >= len(chunk_list):
+        at, now = position[w], clock[w]
+        for k, chunk_list in enumerate(units[w]):
+            if at[k] >= len(chunk_list):
                 continue
-            unit = chunk_list[position[worker][k]]
-            start = clock[worker]
-            for a in unit:
-                if a.op is Op.RECV:
-                    key = (a.peer, worker, a.payload, a.microbatch)
-                    if key not in arrivals:
-                        start = math.inf
-                        break
-                    start = max(start, arrivals[key])  # type: ignore[index]
-            if start == math.inf:
-                continue
-            compute = next(a for a in unit if a.op in COMPUTE)
-            candidate = (start, _PRIORITY[compute.op], k)
-            if best is None or candidate < best:
-                best = candidate
+            unit = chunk_list[at[k]]
+            start = now
+            for key in unit.receives:
+                arrival = arrivals.get(key)
+                if arrival is None:
+                    break
+                if arrival > start:
+                    start = arrival
+            else:
+                candidate = (start, unit.priority, k)
+                if best is None or candidate < best:
+                    best = candidate
         if best is not None:
-            heapq.heappush(ready, (*best, order[worker], version[worker], worker))
+            heapq.heappush(ready, (*best, w, version[w]))
 
-    for worker in units:
-        offer(worker)
+    for w in range(len(workers)):
+        offer(w)
     while ready:
-        start, _, k, _, seen, worker = heapq.heappop(ready)
-        if seen != version[worker]:
+        start, _, k, w, seen = heapq.heappop(ready)
+        if seen != version[w]:
             continue
-        unit = units[worker][k][position[worker][k]]
-        position[worker][k] += 1
-        compute = next(a for a in unit if a.op in COMPUTE)
-        end = start + (duration(worker, compute) if duration is not None else 0.0)
-        clock[worker] = end
-        out[worker] += unit
-        peers = []
-        for a in unit:
-            if a.op is Op.SEND:
-                assert a.peer is not None and a.payload is not None
-                delay = transfer(worker, a.peer, a) if transfer is not None else 0.0
-                arrivals[(worker, a.peer, a.payload, a.microbatch)] = end + delay
-                peers.append(a.peer)
-        for w in dict.fromkeys([worker, *peers]):
-            offer(w)
-    stuck = [(w, k) for w, ps in position.items() for k, at in enumerate(ps) if at < len(units[w][k])]
+        unit = units[w][k][position[w][k]]
+        position[w][k] += 1
+        worker = workers[w]
+        end = start + (duration(worker, unit.compute) if duration is not None else 0.0)
+        clock[w] = end
+        merged[w] += unit.actions
+        offer(w)
+        for peer, key, send in unit.sends:
+            arrivals[key] = end + (transfer(worker, workers[peer], send) if transfer is not None else 0.0)
+            offer(peer)
+    stuck = [(w, k) for w, ps in enumerate(position) for k, at in enumerate(ps) if at < len(units[w][k])]
     if stuck:
-        worker, k = stuck[0]
-        waits = units[worker][k][position[worker][k]][0]
-        raise ScheduleError(f"the parts deadlock: worker {worker} waits at {waits}")
-    return out, max(clock.values(), default=0.0)
+        w, k = stuck[0]
+        waits = units[w][k][position[w][k]].actions[0]
+        raise ScheduleError(f"the parts deadlock: worker {workers[w]} waits at {waits}")
+    return dict(zip(workers, merged, strict=True)), max(clock, default=0.0)
+
+
+_MessageKey = tuple[int, int, bool, int]
+"""A message of :func:`merge`: sender, receiver (by index), whether it is a gradient, micro-batch."""
+
+
+@dataclass(slots=True)
+class _Unit:
+    """What :func:`merge` moves as one: a compute action with the receives before it and the sends after it,
+    with what the merge's event loop asks of it worked out once."""
+
+    actions: list[Action]
+    compute: Action
+    priority: int
+    receives: tuple[_MessageKey, ...]
+    sends: list[tuple[int, _MessageKey, Action]]
+
+
+def _units(worker: Worker, actions: Sequence[Action], index: Mapping[Worker, int]) -> list[_Unit]:
+    """``worker``'s list of one part cut into :class:`_Unit` (its ``REDUCE`` left out); ``index``: every
+    worker's index."""
+    recv, send, reduce, gradient = Op.RECV, Op.SEND, Op.REDUCE, Payload.GRADIENT  # the merge's hot loop
+    me = index[worker]
+    out: list[_Unit] = []
+    pending: list[Action] = []
+    receives: list[_MessageKey] = []
+    for a in actions:
+        op = a.op
+        if op is send and out:
+            assert a.peer is not None
+            peer = index[a.peer]
+            out[-1].actions.append(a)
+            out[-1].sends.append((peer, (me, peer, a.payload is gradient, a.microbatch), a))
+        elif op is recv:
+            assert a.peer is not None
+            pending.append(a)
+            receives.append((index[a.peer], me, a.payload is gradient, a.microbatch))
+        elif op is not reduce:
+            pending.append(a)
+            if op in COMPUTE:
+                out.append(_Unit(pending, a, _PRIORITY[op], tuple(receives), []))
+                pending, receives = [], []
+    if pending:
+        raise ScheduleError(f"worker {worker}: {pending[0]} is not followed by a compute action")
+    return out
 
 
 def iteration_time_s(timings: Mapping[Worker, Sequence[Timing]]) -> float:
