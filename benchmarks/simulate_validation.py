@@ -186,6 +186,8 @@ class Validation:
     """The host's speed against the cost model: the failure-free phase's measured step over the model's. The
     prediction runs the model's times multiplied by it: the step before any failure is the host's, what the
     failures cost (pauses, new layouts, their slower steps) is the simulator's."""
+    calibrated: Plan
+    """The job's plan with the cost model's times multiplied by ``speed``: what the simulator runs."""
     phases: list[Phase]
     recovery_s: list[float]
     """Each failure's pause in the real run: from the kill to the resumed training."""
@@ -258,6 +260,7 @@ def analyse(out: Path, plan: Plan) -> Validation:
         kills=kills,
         horizon_s=horizon,
         speed=speed,
+        calibrated=calibrated,
         phases=phases,
         recovery_s=[e.resumed_at - origin - t for e, (_, t) in zip(recoveries, kills, strict=False)],
         predicted_recovery_s=pauses,
@@ -321,8 +324,7 @@ def plot(out: Path, v: Validation, path: str) -> None:
         real_t.append(s["time"] - origin)
         real_n.append(real_n[-1] + s["samples"])
     sim_t = [v.horizon_s * k / 400 for k in range(1, 401)]
-    calibrated = job_plan(v.speed)
-    sim_n = [predicted(calibrated, v.kills, t).samples for t in sim_t]
+    sim_n = [predicted(v.calibrated, v.kills, t).samples for t in sim_t]
     fig, ax = plt.subplots(figsize=(7, 4))
     ax.step(real_t, real_n, where="post", label="real run (6 processes, emulated devices)")
     ax.step(sim_t, sim_n, "--", where="post", label="oobleck simulate")

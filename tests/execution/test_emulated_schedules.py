@@ -87,9 +87,9 @@ def test_measured_iteration_times_match_the_event_simulation(pool: WorkerPool, p
                 task = (wl.emulated_steps, (plan, generation, STEPS))
                 run = max(pool.run(dict.fromkeys(range(len(plan.workers)), task), timeout=120).values())
                 measured[schedule] = min(run, measured.get(schedule, run))
-            if not misses(measured, simulated):
+            if not (missed := misses(measured, simulated)):
                 break
-        assert not misses(measured, simulated), (name, misses(measured, simulated), measured, simulated)
+        assert not missed, (name, missed, measured, simulated)
 
 
 def recovery_case(nodes: int, per_device: int, batch: int) -> Plan:
