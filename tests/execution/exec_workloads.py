@@ -169,17 +169,22 @@ def leave_groups(store: dist.Store, state: dict[str, Any]) -> bool:
 
 
 def emulated_steps(
-    store: dist.Store, state: dict[str, Any], plan: Plan, generation: int, steps: int
+    store: dist.Store,
+    state: dict[str, Any],
+    plan: Plan,
+    generation: int,
+    steps: int,
+    times: DeviceTimes | None = None,
 ) -> float:
-    """Train ``steps`` steps of emulated layers (:data:`EMULATED`) under ``plan`` after one warm-up step; the
-    fastest step's seconds (each timed between barriers of all workers): on a shared machine, noise only
-    adds time."""
+    """Train ``steps`` steps of emulated layers taking ``times`` (default :data:`EMULATED`) under ``plan``
+    after one warm-up step; the fastest step's seconds (each timed between barriers of all workers): on a
+    shared machine, noise only adds time."""
     worker = plan.workers[state["index"]]
     groups = ProcessGroups(plan, worker, store, generation, timeout=timedelta(seconds=60))
     try:
         torch.set_num_threads(1)
         engine = PipelineEngine(
-            lambda: emulated_layers(plan.num_layers, 4, EMULATED), emulated_loss, groups, CPU
+            lambda: emulated_layers(plan.num_layers, 4, times or EMULATED), emulated_loss, groups, CPU
         )
         inputs = torch.randn(plan.global_batch_size, 4)
         timings = []
