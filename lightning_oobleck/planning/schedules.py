@@ -179,7 +179,7 @@ def pipeline_actions(
     """
     generator = SCHEDULES[check_schedule_name(schedule)]
     num_stages, m = len(spec.workers), len(spec.microbatches)
-    forward, send, recv = Op.F, Op.SEND, Op.RECV  # hundreds of thousands of actions at scale
+    forward, backward, send, recv = Op.F, (Op.I, Op.B), Op.SEND, Op.RECV  # hundreds of thousands at scale
     activation, gradient = Payload.ACTIVATION, Payload.GRADIENT
     out: Schedule = {}
     for s, worker in enumerate(spec.workers):
@@ -196,7 +196,7 @@ def pipeline_actions(
                 actions.append(Action(op, mb, layers))
                 if nxt is not None:
                     actions.append(Action(send, mb, peer=nxt, payload=activation, channel=channel))
-            elif op is Op.I or op is Op.B:
+            elif op in backward:
                 if nxt is not None:
                     actions.append(Action(recv, mb, peer=nxt, payload=gradient, channel=channel))
                 actions.append(Action(op, mb, layers))

@@ -168,23 +168,28 @@ def leave_groups(store: dist.Store, state: dict[str, Any]) -> bool:
     return state.pop("groups").destroyed
 
 
+EMULATED = DeviceTimes(0.02, 0.02, 0.02)
+"""Every emulated layer's forward, input gradient and weight gradient take 20 ms: long enough that the
+executor's own work around each action (about 1 ms with 8 processes on 2 cores) stays a few percent."""
+
+
 def emulated_steps(
     store: dist.Store,
     state: dict[str, Any],
     plan: Plan,
     generation: int,
     steps: int,
-    times: DeviceTimes | None = None,
+    times: DeviceTimes = EMULATED,
 ) -> float:
-    """Train ``steps`` steps of emulated layers taking ``times`` (default :data:`EMULATED`) under ``plan``
-    after one warm-up step; the fastest step's seconds (each timed between barriers of all workers): on a
-    shared machine, noise only adds time."""
+    """Train ``steps`` steps of emulated layers taking ``times`` under ``plan`` after one warm-up step; the
+    fastest step's seconds (each timed between barriers of all workers): on a shared machine, noise only
+    adds time."""
     worker = plan.workers[state["index"]]
     groups = ProcessGroups(plan, worker, store, generation, timeout=timedelta(seconds=60))
     try:
         torch.set_num_threads(1)
         engine = PipelineEngine(
-            lambda: emulated_layers(plan.num_layers, 4, times or EMULATED), emulated_loss, groups, CPU
+            lambda: emulated_layers(plan.num_layers, 4, times), emulated_loss, groups, CPU
         )
         inputs = torch.randn(plan.global_batch_size, 4)
         timings = []
@@ -201,11 +206,6 @@ def emulated_steps(
         return min(timings)
     finally:
         groups.destroy()
-
-
-EMULATED = DeviceTimes(0.02, 0.02, 0.02)
-"""Every emulated layer's forward, input gradient and weight gradient take 20 ms: long enough that the
-executor's own work around each action (about 1 ms with 8 processes on 2 cores) stays a few percent."""
 
 
 def emulated_loss(output: Tensor, target: Tensor) -> Tensor:
