@@ -72,7 +72,8 @@ KillWait=5
 Waittime=0
 MailProg=/bin/true
 CONF
-CPUS=$(nproc)
+# the machine's cores: nproc alone reports OMP_NUM_THREADS when that is set (the tests set it to 1)
+CPUS=$(env -u OMP_NUM_THREADS -u OMP_THREAD_LIMIT nproc)
 for i in $(seq 1 "$N"); do
   echo "NodeName=node$i NodeHostname=$(hostname) NodeAddr=127.0.0.1 Port=$((NODE_PORT_BASE + i))" \
        "CPUs=$CPUS RealMemory=1000 State=UNKNOWN" >> "$D/slurm.conf"
