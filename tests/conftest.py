@@ -4,8 +4,8 @@ process.
 Each process of a test stands for a device of its own, as on a cluster where SLURM's ``--cpus-per-task`` or
 Lightning's launcher limits a worker's threads. Here 4-8 of them share 2 cores, and with torch's default
 (a thread per core) every small operation waited for the other processes' spinning OpenMP threads: a
-rerouted training step of the tiny test model took 4 times longer. Set before any test starts a process,
-so every worker inherits it; a test of the thread limit itself removes it (``tests/slurm``).
+rerouted training step of the tiny test model took 4 times longer. Set in the environment before any test
+starts a process, so every worker inherits it; a test of the thread limit itself removes it (``tests/slurm``).
 """
 
 from __future__ import annotations
@@ -14,11 +14,11 @@ import os
 import sys
 from pathlib import Path
 
-os.environ.setdefault("OMP_NUM_THREADS", "1")
+import torch
 
-import torch  # after the thread limit: OpenMP reads it once
-
-torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
+if "OMP_NUM_THREADS" not in os.environ:  # a limit of the developer's own stays
+    os.environ["OMP_NUM_THREADS"] = "1"
+    torch.set_num_threads(1)
 
 _EXAMPLES = str(Path(__file__).resolve().parents[1] / "examples")
 if _EXAMPLES not in sys.path:
