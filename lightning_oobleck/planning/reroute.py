@@ -77,10 +77,11 @@ def reroute(plan: Plan, failed: Iterable[int]) -> Plan:
     Each lost stage's micro-batches are spread over the pipelines whose replicas of the stage's layers all
     live, the ones after the damaged pipeline first, at most one per micro-batch (micro-batch ``k`` of the
     damaged pipeline to the ``k``-th of them, round robin): the extra work divides among the helpers. The
-    plan's fault tolerance becomes the live replicas of its least replicated layer minus one. The predicted
-    step (:attr:`Plan.iteration_time_s`) is the plan's own, times the ratio of :func:`predict_step_s` after
-    and before: the event simulation's slowdown applied to the planner's step (its gradient sync and
-    optimizer included).
+    plan's fault tolerance is what it guaranteed before, lowered to the live replicas of its least replicated
+    layer minus one where fewer are left (as re-instantiation caps it: a failure never raises it). The
+    predicted step (:attr:`Plan.iteration_time_s`) is the plan's own, times the ratio of
+    :func:`predict_step_s` after and before: the event simulation's slowdown applied to the planner's step
+    (its gradient sync and optimizer included).
 
     Raises :class:`NotReroutable` when a layer has no live replica left or a route would run on one worker
     twice (its micro-batch would cross the same device at two depths).
@@ -116,7 +117,7 @@ def _reroute(plan: Plan, failed: Iterable[int]) -> tuple[Plan, float]:
         for si in _lost_stages(p, lost):
             for layer in p.stages[si].layers:
                 replicas[layer] -= 1
-    fault_tolerance = min(replicas) - 1
+    fault_tolerance = min(plan.fault_tolerance, min(replicas) - 1)
     warnings: tuple[str, ...] = ()
     if fault_tolerance < plan.fault_tolerance:
         warnings = (

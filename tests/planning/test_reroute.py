@@ -79,7 +79,7 @@ def check_rerouted(plan: Plan, failed: tuple[int, ...]) -> Plan:
         )
         assert done == sorted(itertools.product(range(plan.num_microbatches), range(plan.num_layers)))
     replicas = [len(rerouted.layer_owners(layer)) for layer in range(plan.num_layers)]
-    assert rerouted.fault_tolerance == min(replicas) - 1
+    assert rerouted.fault_tolerance == min(plan.fault_tolerance, min(replicas) - 1)
     return rerouted
 
 
@@ -111,6 +111,18 @@ def test_a_second_failure_reroutes_the_rerouted_plan() -> None:
     twice = reroute(once, (plan.pipelines[1].nodes[-1],))
     assert set(twice.lost) == {plan.pipelines[0].nodes[0], plan.pipelines[1].nodes[-1]}
     validate(step_actions(twice)[0])
+
+
+def test_a_failure_never_raises_the_fault_tolerance() -> None:
+    """4 pipelines of one node for f = 1 (every layer has 4 replicas): the rerouted plan keeps f = 1, as
+    re-instantiation's 3 pipelines do; 3 live replicas do not make it f = 2 (the console said so once)."""
+    plan = planned(4, 1, 8)
+    assert len(plan.pipelines) == 4 and plan.fault_tolerance == 1
+    lost = (plan.pipelines[0].nodes[0],)
+    assert check_rerouted(plan, lost).fault_tolerance == 1 == after_failures(plan, lost).plan.fault_tolerance
+    assert not reroute(plan, lost).warnings
+    third = reroute(reroute(plan, lost), (plan.pipelines[1].nodes[0], plan.pipelines[2].nodes[0]))
+    assert third.fault_tolerance == 0 and "fault tolerance 0 (was 1)" in third.warnings[0]
 
 
 def test_rerouted_work_lands_in_the_helpers_bubbles() -> None:
