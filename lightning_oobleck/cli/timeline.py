@@ -36,7 +36,8 @@ def run(args: argparse.Namespace) -> int:
         raise CliError(f"{args.events} has {len(steps)} step records: at least 2 are needed for a throughput")
     output = args.output or args.events.with_suffix(".png")
     draw_timeline(steps, recoveries, output, title=args.events.name)
-    print(f"wrote {output} ({len(steps)} steps, {len(recoveries)} recoveries)")
+    count = f"{len(recoveries)} recover{'y' if len(recoveries) == 1 else 'ies'}"
+    print(f"wrote {output} ({len(steps)} steps, {count})")
     return 0
 
 
