@@ -52,6 +52,23 @@ def _around(steps: list[dict[str, Any]], start: float, end: float, window: int =
     return rate([s for s in steps if s["time"] <= start][-window:]), rate(after[1 : window + 1] or after)
 
 
+def recovery_label(event: RecoveryEvent, steps: list[dict[str, Any]], start: float) -> str:
+    """What the timeline writes beside a recovery that began at ``start``: the generation, the nodes lost
+    and joined, the way chosen and the candidates it was chosen from (their predictions), the time it took
+    and the throughput before and after."""
+    lost = sorted({n for n, _ in event.removed})
+    joined = sorted({n for n, _ in event.added})
+    before, after = _around(steps, start, event.resumed_at)
+    return "\n".join(
+        [f"generation {event.generation}"]
+        + [f"lost node {', '.join(map(str, lost))}"] * bool(lost)
+        + [f"node {', '.join(map(str, joined))} joined"] * bool(joined)
+        + [f"by {event.recovery_policy}" + " of:" * bool(event.candidates)] * bool(event.recovery_policy)
+        + [f"  {candidate}" for candidate in event.candidates]
+        + [f"in {event.resumed_at - start:.2f} s; {before:.0f} -> {after:.0f} samples/s"]
+    )
+
+
 def draw_timeline(
     steps: list[dict[str, Any]], recoveries: list[RecoveryEvent], output: Path, title: str = ""
 ) -> None:
@@ -92,21 +109,18 @@ def draw_timeline(
             start = event.failed_at if event.failed_at is not None else event.detected_at
             if start is not None:
                 ax.axvspan(start - t0, event.resumed_at - t0, color="tab:orange", alpha=0.25)
-                lost = sorted({n for n, _ in event.removed})
-                change = "\n".join(
-                    [f"lost node {', '.join(map(str, lost))}"] * bool(lost)
-                    + [f"node {', '.join(map(str, joined))} joined"] * bool(joined)
-                    + [f"by {event.recovery_policy}"] * bool(event.recovery_policy)
-                )
-                before, after = _around(steps, start, event.resumed_at)
+                # past the middle, the text goes left of the line: the candidates' lines are long
+                right = event.resumed_at - t0 < times[-1] / 2
                 ax.annotate(
-                    f"generation {event.generation}\n{change}\nin {event.resumed_at - start:.2f} s; "
-                    f"{before:.0f} -> {after:.0f} samples/s",
+                    recovery_label(event, steps, start),
                     xy=(event.resumed_at - t0, max(rates)),
-                    xytext=(4, -4),
+                    xytext=(4 if right else -4, -4),
                     textcoords="offset points",
+                    ha="left" if right else "right",
+                    multialignment="left",
                     va="top",
-                    fontsize=8,
+                    fontsize=7,
+                    bbox={"boxstyle": "round", "facecolor": "white", "alpha": 0.85, "edgecolor": "none"},
                 )
     ax.set_xlabel("time since start (s)")
     ax.set_ylabel("samples / s")

@@ -97,6 +97,31 @@ def test_the_timeline_marks_a_join_with_the_throughput_before_and_after_the_swit
         )
     steps, recoveries = read_events(tmp_path / "run.jsonl")
     assert timeline._around(steps, 12.6, 13.0) == pytest.approx((64.0, 128.0))
+    assert timeline.recovery_label(recoveries[0], steps, 12.6).splitlines() == [
+        "generation 2",
+        "node 6 joined",
+        "in 0.40 s; 64 -> 128 samples/s",
+    ]
+    output = tmp_path / "run.png"
+    timeline.draw_timeline(steps, recoveries, output)
+    assert output.stat().st_size > 10_000
+
+
+def test_the_timeline_names_the_way_chosen_and_the_candidates_it_was_chosen_from(tmp_path: Path) -> None:
+    log = EventLog(tmp_path / "run.jsonl")
+    for step in range(12):  # a failure late in the run: its text goes left of the line
+        log.step(step, samples=32, duration_s=0.5, generation=0 if step < 9 else 1, at=10.0 + 0.5 * step)
+    failure = RecoveryEvent(generation=1, removed=[[2, 0]], recovery_policy="reroute", horizon_s=1800.0)
+    failure.candidates = [
+        "reinstantiate: 0.2 s/step after 0.3 s of copy, 2.88e+05 samples before the next failure",
+        "reroute: 0.199 s/step after 0 s of copy, 2.89e+05 samples before the next failure",
+    ]
+    failure.detected_at, failure.resumed_at = 14.1, 14.4
+    log.recovery(failure)
+    steps, recoveries = read_events(tmp_path / "run.jsonl")
+    label = timeline.recovery_label(recoveries[0], steps, 14.1).splitlines()
+    assert label[:3] == ["generation 1", "lost node 2", "by reroute of:"]
+    assert label[3:5] == [f"  {c}" for c in failure.candidates]
     output = tmp_path / "run.png"
     timeline.draw_timeline(steps, recoveries, output)
     assert output.stat().st_size > 10_000
