@@ -13,6 +13,7 @@ codes (:func:`use_step_lines`).
 from __future__ import annotations
 
 import os
+import re
 import sys
 import time
 import warnings
@@ -44,6 +45,20 @@ def show_warnings_on_rank_zero() -> None:
 
     setattr(showwarning, _INSTALLED, True)
     warnings.showwarning = showwarning
+
+
+UNTRUE_LIGHTNING_WARNINGS = (
+    # the DistributedSampler Lightning puts into evaluation loaders may repeat samples; the strategy replaces
+    # it (process_dataloader) with global batches, which repeat none
+    "Using `DistributedSampler` with the dataloaders",
+)
+"""The starts of Lightning's warnings that are not true under the strategy."""
+
+
+def hide_untrue_lightning_warnings() -> None:
+    """From now on this process does not print :data:`UNTRUE_LIGHTNING_WARNINGS`."""
+    for message in UNTRUE_LIGHTNING_WARNINGS:
+        warnings.filterwarnings("ignore", message=re.escape(message))
 
 
 class StepLines(ProgressBar):

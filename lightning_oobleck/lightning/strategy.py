@@ -63,7 +63,12 @@ from lightning_oobleck.lightning._internals import (
     route_sigterm_check,
 )
 from lightning_oobleck.lightning.config import OobleckConfig, StartMethod, load_oobleck_config
-from lightning_oobleck.lightning.console import print_start, show_warnings_on_rank_zero, use_step_lines
+from lightning_oobleck.lightning.console import (
+    hide_untrue_lightning_warnings,
+    print_start,
+    show_warnings_on_rank_zero,
+    use_step_lines,
+)
 from lightning_oobleck.lightning.data import (
     DataPosition,
     GlobalBatchSampler,
@@ -194,6 +199,8 @@ class OobleckStrategy(ParallelStrategy, PipelineExecutor):
         """A split stage's state gathered whole at teardown (read by the launcher after the groups)."""
         self._admission: Admission | None = None
         """What this process received when it joined a running training (``OOBLECK_NODE_KEY``)."""
+        self._unevaluated_warned: set[tuple[str, int]] = set()
+        """The evaluation loaders (stage, index) whose left-out samples were warned of."""
 
     @classmethod
     def from_config(cls, cfg: Any, **kwargs: Any) -> OobleckStrategy:
@@ -316,6 +323,7 @@ class OobleckStrategy(ParallelStrategy, PipelineExecutor):
     def setup_environment(self) -> None:
         super().setup_environment()
         show_warnings_on_rank_zero()
+        hide_untrue_lightning_warnings()
         environment = self._environment()
         module = self._pipeline_module()
         self.config = self.config.with_batch(self._loader_batch_size(), environment.world_size())
@@ -502,6 +510,37 @@ class OobleckStrategy(ParallelStrategy, PipelineExecutor):
     def on_validation_start(self) -> None:
         super().on_validation_start()
         self._require_units().flush_loggers()
+        self._warn_of_unevaluated_samples()
+
+    @override
+    def on_test_start(self) -> None:
+        super().on_test_start()
+        self._warn_of_unevaluated_samples()
+
+    def _warn_of_unevaluated_samples(self) -> None:
+        """Once per evaluation loader and process: the samples after its last whole global batch, which no
+        evaluation step runs (every step is a global batch), unless ``limit_*_batches`` stops before them.
+        Every worker records it, rank 0 prints it: a new rank 0 does not repeat it."""
+        trainer = self.lightning_module.trainer
+        if trainer.sanity_checking:
+            return
+        stage = "test" if trainer.testing else "val"
+        loaders = trainer.test_dataloaders if trainer.testing else trainer.val_dataloaders
+        counts = trainer.num_test_batches if trainer.testing else trainer.num_val_batches
+        loaders = list(loaders) if isinstance(loaders, list | tuple) else [loaders]
+        for index, (loader, count) in enumerate(zip(loaders, counts, strict=False)):
+            if not isinstance(loader, PipelineDataLoader) or (stage, index) in self._unevaluated_warned:
+                continue
+            sampler = loader.batch_sampler
+            left_out = sampler.num_samples % sampler.global_batch_size
+            if left_out and count >= len(sampler):
+                self._unevaluated_warned.add((stage, index))
+                name = f"{stage}_dataloader" + f" {index}" * (len(loaders) > 1)
+                rank_zero_warn(
+                    f"the {name}'s last {left_out} of {sampler.num_samples} samples are not evaluated: every "
+                    f"evaluation step is a global batch of {sampler.global_batch_size} samples. Make the "
+                    f"evaluation set a multiple of {sampler.global_batch_size} samples to evaluate them all"
+                )
 
     @override
     def on_train_end(self) -> None:

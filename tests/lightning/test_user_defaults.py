@@ -73,9 +73,9 @@ class RaisesAtStep3(Regressor):
         return super().training_step(batch, batch_idx)
 
 
-def data(seed: int = 0, workers: int = 1) -> DataLoader:
+def data(seed: int = 0, workers: int = 1, samples: int = 128) -> DataLoader:
     """Float32 samples (trained under ``64-true``): 8 steps of 16 an epoch, then validation."""
-    x = torch.randn(128, 8, generator=torch.Generator().manual_seed(seed))
+    x = torch.randn(samples, 8, generator=torch.Generator().manual_seed(seed))
     samples = TensorDataset(x, x.sum(1, keepdim=True).sin())
     return DataLoader(samples, batch_size=16, shuffle=workers > 0, num_workers=workers)
 
@@ -89,6 +89,7 @@ def fit(
     callbacks: list[L.Callback] | None = None,
     layout: list[list[int]] | None = None,
     recovery_policy: str = "reinstantiate",
+    validation_samples: int = 128,
 ) -> dict[str, torch.Tensor]:
     strategy = OobleckStrategy(
         microbatch_size=2,
@@ -100,7 +101,7 @@ def fit(
     trainer = L.Trainer(
         strategy=strategy, devices=devices, max_steps=steps, precision="64-true", callbacks=callbacks
     )
-    trainer.fit(module, data(), data(seed=1, workers=0), ckpt_path=ckpt_path)
+    trainer.fit(module, data(), data(seed=1, workers=0, samples=validation_samples), ckpt_path=ckpt_path)
     return {k: v.clone() for k, v in module.state_dict().items()}
 
 
@@ -108,6 +109,10 @@ def assert_same_weights(actual: dict[str, torch.Tensor], expected: dict[str, tor
     assert actual.keys() == expected.keys()
     for name, value in expected.items():
         torch.testing.assert_close(actual[name], value, rtol=0, atol=1e-9, msg=name)
+
+
+FIT_DONE = "the fit of the console test ended"
+"""What the user's script of the console test prints after its fit, before it validates and tests."""
 
 
 def assert_reads_like_one_run(console: str) -> None:
@@ -163,7 +168,9 @@ def test_defaults_survive_rank_zero_sigkilled_mid_run_and_the_console_reads_like
     tmp_path: Path, uninterrupted: dict[str, torch.Tensor]
 ) -> None:
     """This file run as the user's script (``python test_user_defaults.py``), so that the console is what the
-    user sees: every worker's output included."""
+    user sees: every worker's output included. Then ``validate`` and ``test`` in the same script, on
+    evaluation sets of 136 samples: the 8 after the last global batch are said to be left out, once per
+    run, and Lightning's warning that its sampler may repeat samples, untrue here, is not shown."""
     run = subprocess.run(
         [sys.executable, __file__, "weights.pt", "--kill-rank-0-at-step-3"],
         cwd=tmp_path,
@@ -175,7 +182,7 @@ def test_defaults_survive_rank_zero_sigkilled_mid_run_and_the_console_reads_like
     console = run.stdout + run.stderr
     assert run.returncode == 0, console[-3000:]
     assert_same_weights(torch.load(tmp_path / "weights.pt"), uninterrupted)
-    assert_reads_like_one_run(console)
+    assert_reads_like_one_run(run.stdout.split(FIT_DONE)[0] + run.stderr.split(FIT_DONE)[0])
     assert console.count("lost at step 3") == 1
     # Not a terminal: plain step lines from whichever worker is rank 0, not a progress bar's frames.
     assert "\r" not in console and "\x1b[" not in console
@@ -183,6 +190,13 @@ def test_defaults_survive_rank_zero_sigkilled_mid_run_and_the_console_reads_like
     assert re.search(r"^oobleck: step 8/8 \(epoch 0\) ", console, re.MULTILINE), console[-3000:]
     assert "Total params: 2.4 K" in console  # the model summary is the whole model's, not one stage's
     assert "Oobleck plan: 2 pipelines" in console
+    left_out = r"the (\w+)_dataloader's last 8 of 136 samples are not evaluated: every evaluation step is"
+    assert re.findall(left_out, console) == [
+        "val",  # the fit's validation, after rank 0's death: printed by the new rank 0 only
+        "val",  # trainer.validate
+        "test",  # trainer.test
+    ], console[-3000:]
+    assert "DistributedSampler" not in console
     # The new rank 0 wrote into the same run directory: the final checkpoint is there and complete.
     assert [p.name for p in (tmp_path / "lightning_logs").iterdir()] == ["version_0"]
     checkpoint = tmp_path / "lightning_logs" / "version_0" / "checkpoints" / "epoch=0-step=8.ckpt"
@@ -447,4 +461,11 @@ def assert_validate_and_test_equal_one_device(
 # The user's script of the console test: python test_user_defaults.py OUT [--kill-rank-0-at-step-3]
 if __name__ == "__main__":
     kill = [KillAt(0, 3)] if "--kill-rank-0-at-step-3" in sys.argv else None
-    torch.save(fit(Regressor(), 8, callbacks=kill), sys.argv[1])
+    # evaluation sets of 136 samples: 8 after the last global batch of 16
+    torch.save(fit(Regressor(), 8, callbacks=kill, validation_samples=136), sys.argv[1])
+    print(FIT_DONE, flush=True)
+    print(FIT_DONE, file=sys.stderr, flush=True)
+    strategy = OobleckStrategy(microbatch_size=2, planner={"cluster": {"device_memory_bytes": 60_000}})
+    trainer = L.Trainer(strategy=strategy, devices=4, precision="64-true", default_root_dir="evaluation")
+    trainer.validate(Regressor(), data(seed=1, workers=0, samples=136))
+    trainer.test(Regressor(), data(seed=1, workers=0, samples=136))
