@@ -326,16 +326,29 @@ def test_an_exception_in_one_task_is_survived_and_reported_with_its_error(
 
 
 @pytest.mark.timeout(300)
+@pytest.mark.parametrize(
+    "policy",
+    [
+        pytest.param([], id="reinstantiate"),
+        # a pipeline of 2 stages on the batch host's node and one of 4 (a layer each) on the other two: the
+        # crash of either of those leaves the second pipeline 2 surviving stages, the first the lost layers
+        pytest.param(
+            ["strategy.recovery_policy=reroute", "strategy.layout=[[0,2,4],[0,1,2,3,4]]"], id="reroute"
+        ),
+    ],
+)
 def test_two_tasks_per_node_survive_a_real_node_crash_with_the_reference_weights(
-    cluster: Cluster, tmp_path: Path, reference: dict[str, torch.Tensor]
+    cluster: Cluster, tmp_path: Path, reference: dict[str, torch.Tensor], policy: list[str]
 ) -> None:
     """The README's multi-node shape on CPU: 3 nodes x 2 tasks, defaults (a node of the job is one failure
     domain, ``devices_per_node`` follows SLURM), a DataLoader worker per task. A node crash takes both of
-    its tasks at once; the survivors recover in place and end with the reference weights, and no process of
-    the job (tasks, loader workers, the batch host's rendezvous) outlives it."""
+    its tasks at once; the survivors recover in place (the planner's pipelines re-instantiated; or, with
+    ``recovery_policy=reroute``, pipelines that span nodes keep their surviving stages and the lost stages'
+    micro-batches run on the other pipeline's replicas, nothing copied) and end with the reference weights,
+    and no process of the job (tasks, loader workers, the batch host's rendezvous) outlives it."""
     out = tmp_path / "out"
     out.mkdir()
-    args = [*training_args(out), "trainer.devices=2", "trainer.num_nodes=3", "data.num_workers=1"]
+    args = [*training_args(out), "trainer.devices=2", "trainer.num_nodes=3", "data.num_workers=1", *policy]
     config = SubmitConfig(
         nodes=3, tasks_per_node=2, time="5", log_dir=str(tmp_path / "logs"), job_name="crash-2-tasks",
         script=str(EXAMPLE), args=args,
@@ -348,6 +361,11 @@ def test_two_tasks_per_node_survive_a_real_node_crash_with_the_reference_weights
         (recovery,) = [e for e in events(out) if e["kind"] == "recovery"]
         node = cluster_node_id(victim)
         assert sorted(recovery["removed"]) == [[node, 0], [node, 1]]
+        if policy:
+            assert recovery["recovery_policy"] == "reroute" and recovery["copied_bytes"] == 0, recovery
+            assert recovery["fault_tolerance"] == 0, recovery  # a lost stage's layers: one replica left
+            said = "".join(p.read_text(errors="replace") for p in (tmp_path / "logs").rglob("*_log.*"))
+            assert "2 pipelines (2 lost stages rerouted to replicas) on 2 nodes, f=0" in said, said[-3000:]
         _assert_reference_weights(out, reference)
         _assert_no_process_outlives(job.job_id)
     finally:
