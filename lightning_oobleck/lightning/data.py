@@ -72,6 +72,11 @@ class GlobalBatchSampler(Sampler[list[int]]):
     def __len__(self) -> int:
         return self.num_samples // self.global_batch_size
 
+    @property
+    def left_out(self) -> int:
+        """The samples of an epoch after its last whole global batch, which no step takes."""
+        return self.num_samples - len(self) * self.global_batch_size
+
     def __iter__(self) -> Iterator[list[int]]:
         epoch, start = self.position.epoch, self.position.step
         self._cut = {p: layout for p, layout in self._cut.items() if p.epoch == epoch}

@@ -96,6 +96,7 @@ from lightning_oobleck.lightning.units import (
     LOGGER_VERSIONS,
     LightningLoop,
     check_tied_parameter_groups,
+    evaluation_loaders,
     host_key,
     logger_versions,
     set_logger_versions,
@@ -525,22 +526,22 @@ class OobleckStrategy(ParallelStrategy, PipelineExecutor):
         if trainer.sanity_checking:
             return
         stage = "test" if trainer.testing else "val"
-        loaders = trainer.test_dataloaders if trainer.testing else trainer.val_dataloaders
+        loaders = evaluation_loaders(trainer)
         counts = trainer.num_test_batches if trainer.testing else trainer.num_val_batches
-        loaders = list(loaders) if isinstance(loaders, list | tuple) else [loaders]
         for index, (loader, count) in enumerate(zip(loaders, counts, strict=False)):
-            if not isinstance(loader, PipelineDataLoader) or (stage, index) in self._unevaluated_warned:
+            sampler = loader.batch_sampler if isinstance(loader, PipelineDataLoader) else None
+            if sampler is None or not sampler.left_out or count < len(sampler):
+                continue  # every sample evaluated, or limit_*_batches stops before the last ones
+            if (stage, index) in self._unevaluated_warned:
                 continue
-            sampler = loader.batch_sampler
-            left_out = sampler.num_samples % sampler.global_batch_size
-            if left_out and count >= len(sampler):
-                self._unevaluated_warned.add((stage, index))
-                name = f"{stage}_dataloader" + f" {index}" * (len(loaders) > 1)
-                rank_zero_warn(
-                    f"the {name}'s last {left_out} of {sampler.num_samples} samples are not evaluated: every "
-                    f"evaluation step is a global batch of {sampler.global_batch_size} samples. Make the "
-                    f"evaluation set a multiple of {sampler.global_batch_size} samples to evaluate them all"
-                )
+            self._unevaluated_warned.add((stage, index))
+            name = f"{stage}_dataloader" + f" {index}" * (len(loaders) > 1)
+            size = sampler.global_batch_size
+            rank_zero_warn(
+                f"the {name}'s last {sampler.left_out} of {sampler.num_samples} samples are not evaluated: "
+                f"every evaluation step is a global batch of {size} samples. Make the evaluation set a "
+                f"multiple of {size} samples to evaluate them all"
+            )
 
     @override
     def on_train_end(self) -> None:

@@ -239,7 +239,7 @@ class LightningLoop:
 
     def eval_step(self, module: PipelineModule, batch: Any, batch_idx: int, dataloader_idx: int) -> Tensor:
         """Forward-only pipelines over evaluation batch ``batch_idx``; the global mean loss."""
-        loader = _evaluation_loader(self.trainer, dataloader_idx)
+        loader = evaluation_loaders(self.trainer)[dataloader_idx]
         sampler = loader.batch_sampler if isinstance(loader, PipelineDataLoader) else None
         epoch = sampler.position.epoch if sampler is not None else 0
 
@@ -626,19 +626,20 @@ def _versioned_loggers(trainer: Trainer) -> list[CSVLogger | TensorBoardLogger]:
     return [logger for logger in trainer.loggers if isinstance(logger, CSVLogger | TensorBoardLogger)]
 
 
-def _evaluation_loader(trainer: Trainer, dataloader_idx: int) -> Any:
-    loaders = trainer.test_dataloaders if trainer.testing else trainer.val_dataloaders
-    if isinstance(loaders, list | tuple):
-        return loaders[dataloader_idx]
-    return loaders
+def _listed(loaders: Any) -> list[Any]:
+    """A Trainer's loaders of one kind (one loader, a list of them, or none) as a list."""
+    if loaders is None:
+        return []
+    return list(loaders) if isinstance(loaders, list | tuple) else [loaders]
+
+
+def evaluation_loaders(trainer: Trainer) -> list[Any]:
+    """The loaders of the evaluation that runs (test, or validation in fit and validate), by index."""
+    return _listed(trainer.test_dataloaders if trainer.testing else trainer.val_dataloaders)
 
 
 def _pipeline_loaders(trainer: Trainer) -> list[PipelineDataLoader]:
     """The training and evaluation loaders, whose samplers cut each global batch for this pipeline."""
-    loaders: list[Any] = [trainer.train_dataloader]
-    for evaluation in (trainer.val_dataloaders, trainer.test_dataloaders):
-        if isinstance(evaluation, list | tuple):
-            loaders.extend(evaluation)
-        elif evaluation is not None:
-            loaders.append(evaluation)
+    evaluation = [*_listed(trainer.val_dataloaders), *_listed(trainer.test_dataloaders)]
+    loaders = [trainer.train_dataloader, *evaluation]
     return [loader for loader in loaders if isinstance(loader, PipelineDataLoader)]
