@@ -158,6 +158,8 @@ class Supervisor:
         """Variables every worker gets besides its position, e.g. a service's address (and those of
         :data:`FORWARDED_ENV` set now: a worker forked from a server started earlier would miss them)."""
         self._started: list[SupervisorService] = []
+        self._own_workdir: Path | None = None
+        """A folder :meth:`start` made because none was given, removed by :meth:`stop`."""
 
     @property
     def store_addr(self) -> str:
@@ -168,7 +170,9 @@ class Supervisor:
         return self.coordinator.addresses
 
     def start(self) -> None:
-        workdir = self._workdir or Path(tempfile.mkdtemp(prefix="oobleck-supervisor-"))
+        workdir = self._workdir
+        if workdir is None:
+            workdir = self._own_workdir = Path(tempfile.mkdtemp(prefix="oobleck-supervisor-"))
         # every worker runs on this machine: a fenced one is also killed, so that its peers see it gone
         settings = replace(self._settings, kill_fenced=True)
         self.coordinator = CoordinatorProcess(
@@ -203,6 +207,9 @@ class Supervisor:
         if self.coordinator is not None:
             self.coordinator.stop()
         self.coordinator = None
+        if self._own_workdir is not None:
+            shutil.rmtree(self._own_workdir, ignore_errors=True)
+            self._own_workdir = None
 
     def __enter__(self) -> Supervisor:
         self.start()

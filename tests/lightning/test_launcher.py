@@ -242,8 +242,11 @@ def test_supervisor_store_serves_the_jobs_processes_only():
         assert KeyStoreClient(address, supervisor.secret, STORE_TIMEOUT).get("k") == b"v"
         with pytest.raises(KeyStoreError, match="refused this process: refused: the job's secret"):
             KeyStoreClient(address, "guessed", STORE_TIMEOUT)
+        workdir = supervisor.coordinator.join_file.parent
+        assert workdir.is_dir()
     with pytest.raises(RuntimeError, match="not started"):
         _ = supervisor.store_addr
+    assert not workdir.exists()  # the folder it made for itself (none was given) goes with it
 
 
 UNGUARDED_SCRIPT_TEXT = """
