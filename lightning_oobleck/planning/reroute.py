@@ -76,11 +76,7 @@ def reroute(plan: Plan, failed: Iterable[int]) -> Plan:
 
     Each lost stage's micro-batches are spread over the pipelines whose replicas of the stage's layers all
     live, the ones after the damaged pipeline first, at most one per micro-batch (micro-batch ``k`` of the
-    damaged pipeline to the ``k``-th of them, round robin): the extra work divides among the helpers. Where
-    a helper is itself damaged (several pipelines lost a node), the same helpers with the undamaged ones
-    first are simulated too, and the faster of the two assignments kept: a damaged helper's own micro-batches
-    already take longer routes, but sending every damaged pipeline to the same undamaged helpers can cost
-    more. The
+    damaged pipeline to the ``k``-th of them, round robin): the extra work divides among the helpers. The
     plan's fault tolerance is what it guaranteed before, lowered to the live replicas of its least replicated
     layer minus one where fewer are left (as re-instantiation caps it: a failure never raises it). The
     predicted step (:attr:`Plan.iteration_time_s`) is the plan's own, times the ratio of
@@ -100,32 +96,22 @@ def _reroute(plan: Plan, failed: Iterable[int]) -> tuple[Plan, float]:
     unknown = sorted(set(failed) - {n for p in plan.pipelines for n in p.nodes})
     if unknown:
         raise ValueError(f"nodes {unknown} are not in the plan")
-    candidates: list[tuple[int, int, list[int]]] = []
+    reroutes: list[Reroute] = []
     count = len(plan.pipelines)
     for pi, p in enumerate(plan.pipelines):
         for si in _lost_stages(p, lost):
             layers = p.stages[si].layers
-            # the pipelines after this one first (damaged pipelines lean on different helpers)
+            # the pipelines after this one first (damaged pipelines lean on different helpers), at most one
+            # per micro-batch: each helper takes at least one
             order = [(pi + k) % count for k in range(1, count)]
-            helpers = [q for q in order if _intact_over(plan.pipelines[q], layers, lost)]
+            helpers = tuple(q for q in order if _intact_over(plan.pipelines[q], layers, lost))
+            helpers = helpers[: p.microbatches]
             if not helpers:
                 raise NotReroutable(
                     f"no other pipeline holds layers {layers.start}..{layers.stop - 1} on live nodes after "
                     f"losing nodes {sorted(lost)}: the stage cannot be rerouted"
                 )
-            candidates.append((pi, si, helpers))
-    damaged = {pi for pi, _, _ in candidates}
-
-    def assignment(order: Callable[[list[int]], list[int]]) -> tuple[Reroute, ...]:
-        # at most one helper per micro-batch: each helper takes at least one
-        return tuple(
-            Reroute(pi, si, tuple(order(helpers)[: plan.pipelines[pi].microbatches]))
-            for pi, si, helpers in candidates
-        )
-
-    # as found, and the undamaged helpers first (a stable sort): the same assignment after a single failure
-    undamaged_first = assignment(lambda helpers: sorted(helpers, key=damaged.__contains__))
-    assignments = dict.fromkeys((assignment(list), undamaged_first))
+            reroutes.append(Reroute(pi, si, helpers))
     replicas = [len(plan.pipelines)] * plan.num_layers
     for p in plan.pipelines:
         for si in _lost_stages(p, lost):
@@ -139,20 +125,14 @@ def _reroute(plan: Plan, failed: Iterable[int]) -> tuple[Plan, float]:
             f"(was {plan.fault_tolerance}); a layer has {min(replicas)} live replica(s)",
         )
     rerouted = dataclasses.replace(
-        plan, lost=tuple(sorted(lost)), fault_tolerance=fault_tolerance, warnings=warnings
+        plan,
+        lost=tuple(sorted(lost)),
+        reroutes=tuple(reroutes),
+        fault_tolerance=fault_tolerance,
+        warnings=warnings,
     )
-    simulated: dict[Plan, float] = {}
-    refused: list[NotReroutable] = []
-    for reroutes in assignments:
-        option = dataclasses.replace(rerouted, reroutes=reroutes)
-        try:  # the rerouted step's merge makes its routes, which refuse a route through one worker twice
-            simulated[option] = predict_step_s(option)
-        except NotReroutable as e:
-            refused.append(e)
-    if not simulated:
-        raise refused[0]
-    rerouted, after = min(simulated.items(), key=lambda item: item[1])
-    before = predict_step_s(plan)
+    # the rerouted step's merge makes its routes, which refuse a route through one worker twice
+    before, after = predict_step_s(plan), predict_step_s(rerouted)
     step = plan.iteration_time_s * after / before if plan.iteration_time_s > 0 and before > 0 else after
     return dataclasses.replace(rerouted, iteration_time_s=step), after
 
