@@ -640,6 +640,9 @@ def evaluation_loaders(trainer: Trainer) -> list[Any]:
 
 def _pipeline_loaders(trainer: Trainer) -> list[PipelineDataLoader]:
     """The training and evaluation loaders, whose samplers cut each global batch for this pipeline."""
-    evaluation = [*_listed(trainer.val_dataloaders), *_listed(trainer.test_dataloaders)]
-    loaders = [trainer.train_dataloader, *evaluation]
+    loaders = [
+        trainer.train_dataloader,
+        *_listed(trainer.val_dataloaders),
+        *_listed(trainer.test_dataloaders),
+    ]
     return [loader for loader in loaders if isinstance(loader, PipelineDataLoader)]
