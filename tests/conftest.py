@@ -12,8 +12,11 @@ from __future__ import annotations
 
 import os
 import sys
+import tempfile
+from collections.abc import Iterator
 from pathlib import Path
 
+import pytest
 import torch
 
 if "OMP_NUM_THREADS" not in os.environ:  # a limit of the developer's own stays
@@ -23,3 +26,12 @@ if "OMP_NUM_THREADS" not in os.environ:  # a limit of the developer's own stays
 _EXAMPLES = str(Path(__file__).resolve().parents[1] / "examples")
 if _EXAMPLES not in sys.path:
     sys.path.insert(0, _EXAMPLES)
+
+
+@pytest.fixture
+def killed_tmpdir() -> Iterator[dict[str, str]]:
+    """The environment for a process the test SIGKILLs: ``TMPDIR`` a folder removed after the test, so that
+    the temporary folders the process could not remove itself go with it. Not ``tmp_path``: the fork server's
+    socket lives in ``TMPDIR``, and its path must stay under 108 characters."""
+    with tempfile.TemporaryDirectory(prefix="oobleck-test-") as folder:
+        yield {**os.environ, "TMPDIR": folder}

@@ -101,14 +101,16 @@ def wait_gone(pids: set[int], within_s: float) -> set[int]:
 @pytest.mark.timeout(120)
 @pytest.mark.slow
 def test_loader_workers_die_with_their_training_worker_and_everything_with_the_launcher(
-    tmp_path: Path,
+    tmp_path: Path, killed_tmpdir: dict[str, str]
 ) -> None:
     script = tmp_path / "train.py"
     script.write_text(SCRIPT)
     stderr = tmp_path / "launcher.err"
     with open(stderr, "w") as err:
         launcher = subprocess.Popen(
-            [sys.executable, str(script), str(tmp_path), str(Path(__file__).parent)], stderr=err
+            [sys.executable, str(script), str(tmp_path), str(Path(__file__).parent)],
+            stderr=err,
+            env=killed_tmpdir,
         )
     everything: set[int] = set()
     try:
