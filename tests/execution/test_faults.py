@@ -89,14 +89,14 @@ def _drill(fault: Fault, linger_s: float = 0.0) -> subprocess.Popen:
     )
 
 
-@pytest.mark.timeout(60)
+@pytest.mark.timeout(150)
 @pytest.mark.slow
 def test_a_drill_from_the_environment_kills_the_named_worker() -> None:
     """``OOBLECK_FAULTS`` arms every process of a job as it is submitted; only the named worker dies."""
     victim = _drill(Fault(FaultPoint.STATE_COPY, node=2, device=1, step=4))
-    assert victim.wait(timeout=30) == -signal.SIGKILL
+    assert victim.wait(timeout=60) == -signal.SIGKILL  # importing torch: 16 s beside the suite's others
     other = _drill(Fault(FaultPoint.STATE_COPY, node=2, device=0, step=4))
-    assert other.wait(timeout=30) == 0 and "survived" in other.communicate()[0]
+    assert other.wait(timeout=60) == 0 and "survived" in other.communicate()[0]
 
 
 @pytest.mark.timeout(60)
