@@ -181,7 +181,7 @@ def _alive(pid: int) -> bool:
         return False
 
 
-@pytest.mark.timeout(180)
+@pytest.mark.timeout(300)
 @pytest.mark.slow
 def test_sigkilled_supervisor_leaves_no_orphan(tmp_path: Path, killed_tmpdir: dict[str, str]):
     script = tmp_path / "supervisor.py"
@@ -208,9 +208,9 @@ def test_sigkilled_supervisor_leaves_no_orphan(tmp_path: Path, killed_tmpdir: di
             [sys.executable, str(script), str(pid_dir)], stderr=err, env=killed_tmpdir
         )
     try:
-        # the supervisor's fork server imports Lightning first: 40 s and more with the suite's other
-        # processes on 2 cores
-        deadline = time.monotonic() + 120
+        # the supervisor and its fork server import Lightning first: 18-24 s alone, 39-85 s beside the
+        # suite's other processes on 2 cores
+        deadline = time.monotonic() + 200
         while len(list(pid_dir.iterdir())) < 2:
             assert time.monotonic() < deadline and supervisor.poll() is None, stderr.read_text()
             time.sleep(0.05)
