@@ -29,7 +29,7 @@ if _EXAMPLES not in sys.path:
 
 
 @pytest.fixture
-def killed_tmpdir() -> Iterator[dict[str, str]]:
+def killed_process_env() -> Iterator[dict[str, str]]:
     """The environment for a process the test SIGKILLs: ``TMPDIR`` a folder removed after the test, so that
     the temporary folders the process could not remove itself go with it. Not ``tmp_path``: the fork server's
     socket lives in ``TMPDIR``, and its path must stay under 108 characters."""

@@ -183,7 +183,7 @@ def _alive(pid: int) -> bool:
 
 @pytest.mark.timeout(300)
 @pytest.mark.slow
-def test_sigkilled_supervisor_leaves_no_orphan(tmp_path: Path, killed_tmpdir: dict[str, str]):
+def test_sigkilled_supervisor_leaves_no_orphan(tmp_path: Path, killed_process_env: dict[str, str]):
     script = tmp_path / "supervisor.py"
     script.write_text(
         textwrap.dedent(
@@ -205,7 +205,7 @@ def test_sigkilled_supervisor_leaves_no_orphan(tmp_path: Path, killed_tmpdir: di
     stderr = tmp_path / "supervisor.err"
     with open(stderr, "w") as err:
         supervisor = subprocess.Popen(
-            [sys.executable, str(script), str(pid_dir)], stderr=err, env=killed_tmpdir
+            [sys.executable, str(script), str(pid_dir)], stderr=err, env=killed_process_env
         )
     try:
         # the supervisor and its fork server import Lightning first: 18-24 s alone, 39-85 s beside the

@@ -101,7 +101,7 @@ def wait_gone(pids: set[int], within_s: float) -> set[int]:
 @pytest.mark.timeout(120)
 @pytest.mark.slow
 def test_loader_workers_die_with_their_training_worker_and_everything_with_the_launcher(
-    tmp_path: Path, killed_tmpdir: dict[str, str]
+    tmp_path: Path, killed_process_env: dict[str, str]
 ) -> None:
     script = tmp_path / "train.py"
     script.write_text(SCRIPT)
@@ -110,7 +110,7 @@ def test_loader_workers_die_with_their_training_worker_and_everything_with_the_l
         launcher = subprocess.Popen(
             [sys.executable, str(script), str(tmp_path), str(Path(__file__).parent)],
             stderr=err,
-            env=killed_tmpdir,
+            env=killed_process_env,
         )
     everything: set[int] = set()
     try:
