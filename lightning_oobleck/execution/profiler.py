@@ -3,8 +3,9 @@
 Layers are materialised one at a time (from the meta device when the model is a factory) and freed after
 their measurement, so a model larger than the device can be profiled. Every layer runs forward and
 backward for real, the backward as the executor splits it (the input's gradient, then the weights':
-``I`` and ``W``, timed apart), warm-up then repetitions (the median is kept), timed with CUDA events on a
-GPU and the wall clock elsewhere. Memory is counted, not estimated: parameter bytes, the bytes of the
+``I`` and ``W``, timed apart), warm-up then repetitions (the median is kept), timed on a GPU by CUDA events
+around its kernels queued back to back (the device's time, not the Python launching them: :func:`timed`) and
+by the wall clock elsewhere. Memory is counted, not estimated: parameter bytes, the bytes of the
 layer's output (what crosses a stage boundary) and the bytes of the tensors autograd saves for the
 backward (what each in-flight micro-batch keeps alive), found with ``saved_tensors_hooks``
 (:class:`SavedTensorMeter`). Results are cached on disk under a key of everything that changes them.
@@ -229,6 +230,7 @@ def _cache_key(
         "torch": torch.__version__,
         "repetitions": [warmup, repeat],
         "timed": ["forward", "input gradient", "weight gradient"],
+        "clock": "device, launches queued",
         "loss": None
         if loss_fn is None or example_target is None
         else [getattr(loss_fn, "__qualname__", repr(loss_fn)), _shapes(example_target)],
@@ -279,7 +281,7 @@ def _profile_layer(
     forward_s, input_s, weight_s = [], [], []
     for rep in range(warmup + repeat):
         with SavedTensorMeter(exclude=layer.parameters()) as meter:
-            (out, roots, leaves), t_fwd = timed(forward, device)
+            (out, roots, leaves), t_fwd = timed(forward, device, queued=True)
         saved_bytes = meter.live_bytes
         grads = [torch.ones_like(r) for r in roots]
         # as the executor splits a stage's backward (a layer with no input gradient: all of it in W)
@@ -288,8 +290,9 @@ def _profile_layer(
                 roots, grads, leaves, split, whole
             ),
             device,
+            queued=True,
         )
-        _, t_weight = timed(lambda kept=kept: backward_weight(kept), device)
+        _, t_weight = timed(lambda kept=kept: backward_weight(kept), device, queued=True)
         layer.zero_grad(set_to_none=True)
         if rep >= warmup:
             forward_s.append(t_fwd)
@@ -317,15 +320,45 @@ def _profile_layer(
     return profile, pytree.tree_map(lambda t: t.detach() if isinstance(t, Tensor) else t, out)
 
 
-def timed(fn: Callable[[], T], device: torch.device) -> tuple[T, float]:
-    """Run ``fn`` and return its result and duration (CUDA events on a GPU, wall clock elsewhere)."""
+def timed(fn: Callable[[], T], device: torch.device, queued: bool = False) -> tuple[T, float]:
+    """Run ``fn`` and return its result and duration (CUDA events on a GPU, wall clock elsewhere).
+
+    ``queued`` (a GPU only): the device's time alone. A sleep kernel keeps the GPU busy while ``fn``
+    launches its kernels, which then run back to back: the Python that launches them (a meter's hooks,
+    autograd's bookkeeping) is not counted, as it is not in a step whose launches run ahead of the GPU.
+    The next call sleeps twice as long as these launches took, at most four times the device's time and 5 ms
+    (launches that waited on the GPU took the sleep's time too)."""
     if device.type == "cuda":
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        key = str(torch.device("cuda", torch.cuda.current_device()) if device.index is None else device)
+        if queued:
+            torch.cuda._sleep(int(_lead_s.get(key, 1e-3) * _sleep_cycles_per_s(key)))
         start.record()
+        launch = time.perf_counter()
         result = fn()
+        launch_s = time.perf_counter() - launch
         end.record()
         end.synchronize()
-        return result, start.elapsed_time(end) / 1000.0
+        device_s = start.elapsed_time(end) / 1000.0
+        if queued:
+            _lead_s[key] = min(2 * launch_s, 4 * device_s + 5e-3)
+        return result, device_s
     t0 = time.perf_counter()
     result = fn()
     return result, time.perf_counter() - t0
+
+
+_lead_s: dict[str, float] = {}
+"""Per GPU, how long :func:`timed` keeps it asleep ahead of a queued call's launches."""
+
+
+@functools.cache
+def _sleep_cycles_per_s(device: str) -> float:
+    """The rate of ``torch.cuda._sleep``'s argument on a GPU (its clock cycles per second)."""
+    cycles = 1 << 24
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    torch.cuda._sleep(cycles)
+    end.record()
+    end.synchronize()
+    return cycles / (start.elapsed_time(end) / 1000.0)
