@@ -49,6 +49,26 @@ def training_args(out: Path) -> list[str]:
     ]  # fmt: skip
 
 
+def held_training(directory: Path, pause_s: float, prelude: str = "") -> tuple[Path, Path]:
+    """``examples/gpt/train.py`` behind a script of ``directory``, returned with its hold file: after every
+    optimizer step the training sleeps ``pause_s`` while the hold file exists. A test that crashes a node
+    mid-run creates the file before the job starts and removes it after the crash: the 24 steps of the tiny
+    model take about a second, less than a loaded machine may take to see a step and crash a node.
+    ``prelude``: Python that each task runs first."""
+    hold, script = directory / "hold", directory / "held_training.py"
+    script.write_text(
+        "import os, runpy, sys, time\n"
+        "from torch.optim.optimizer import register_optimizer_step_post_hook\n"
+        f"{prelude}"
+        f"def idle(*_):\n    time.sleep({pause_s} if os.path.exists({str(hold)!r}) else 0.0)\n"
+        "register_optimizer_step_post_hook(idle)\n"
+        f"sys.argv[0] = {str(EXAMPLE)!r}\n"
+        f"sys.path.insert(0, {str(EXAMPLE.parent)!r})\n"
+        f"runpy.run_path({str(EXAMPLE)!r}, run_name='__main__')\n"
+    )
+    return script, hold
+
+
 def events(out: Path) -> list[dict[str, Any]]:
     """The run's step and recovery records so far (rank 0 of the current generation appends them)."""
     path = out / EVENTS_FILE

@@ -29,6 +29,7 @@ from gpt_training import (
     VAL_BATCHES,
     events,
     full_model,
+    held_training,
     training_args,
 )
 from slurm_cluster import REPO, Cluster, DownWatch
@@ -42,6 +43,9 @@ from lightning_oobleck.slurm.config import SubmitConfig, SubmitConfigError
 from lightning_oobleck.slurm.submit import collect, submit, wait
 
 JOB_TIMEOUT_S = 150
+HELD_STEP_S = 0.5
+"""A crash test's step until the crash (:func:`~gpt_training.held_training`): 18 steps, 9 s, to see step
+CRASH_AT_STEP and crash a node before the training ends."""
 REFERENCE_TIMEOUT_S = 120
 
 pytestmark = pytest.mark.slurm
@@ -145,15 +149,17 @@ def _wait_for_step(out: Path, step: int, job_id: str, timeout_s: float = 120.0) 
     raise TimeoutError(f"training did not reach step {step} in {timeout_s:.0f} s")
 
 
-def _crash_non_batch_node(cluster: Cluster, job_id: str, out: Path) -> tuple[str, float, DownWatch]:
-    """Once training has done CRASH_AT_STEP steps, crash a node of the job that is not its batch host."""
+def _crash_non_batch_node(
+    cluster: Cluster, job_id: str, out: Path, hold: Path | None
+) -> tuple[str, float, DownWatch]:
+    """Once training has done CRASH_AT_STEP steps, crash a node of the job that is not its batch host; then
+    let go of the training (``hold``: :func:`~gpt_training.held_training`; ``None``: the test holds it)."""
     _wait_for_step(out, CRASH_AT_STEP, job_id)
-    fields = dict(
-        t.split("=", 1) for t in run("scontrol", "show", "job", job_id, "--oneliner").split() if "=" in t
-    )
-    victim = next(n for n in cluster.nodes if n != fields["BatchHost"])
+    victim = next(n for n in cluster.nodes if n != job_fields(job_id)["BatchHost"])
     watch = DownWatch(cluster, victim)
     crashed_at = cluster.crash(victim)
+    if hold is not None:
+        hold.unlink()
     watch.start()
     return victim, crashed_at, watch
 
@@ -286,9 +292,11 @@ def test_submitit_job_survives_its_batch_host_crash_and_reports_each_task(
     test."""
     out = tmp_path / "out"
     out.mkdir()
+    script, hold = held_training(tmp_path, HELD_STEP_S)
+    hold.touch()
     config = SubmitConfig(
         nodes=3, time="5", log_dir=str(tmp_path / "logs"), job_name="crash-submitit",
-        script=str(EXAMPLE), args=training_args(out),
+        script=str(script), args=training_args(out),
     )  # fmt: skip
     job = submit(config)
     _wait_for_step(out, CRASH_AT_STEP, job.job_id)
@@ -297,6 +305,7 @@ def test_submitit_job_survives_its_batch_host_crash_and_reports_each_task(
     batch_host = job_fields(job.job_id)["BatchHost"]
     watch = DownWatch(cluster, batch_host)
     cluster.crash(batch_host)
+    hold.unlink()
     watch.start()
     try:
         assert wait(job, poll_interval_s=1.0, timeout_s=JOB_TIMEOUT_S) == "CANCELLED"
@@ -362,12 +371,14 @@ def test_two_tasks_per_node_survive_a_real_node_crash_with_the_reference_weights
     out = tmp_path / "out"
     out.mkdir()
     args = [*training_args(out), "trainer.devices=2", "trainer.num_nodes=3", "data.num_workers=1", *policy]
+    script, hold = held_training(tmp_path, HELD_STEP_S)
+    hold.touch()
     config = SubmitConfig(
         nodes=3, tasks_per_node=2, time="5", log_dir=str(tmp_path / "logs"), job_name="crash-2-tasks",
-        script=str(EXAMPLE), args=args,
+        script=str(script), args=args,
     )  # fmt: skip
     job = submit(config)
-    victim, _, watch = _crash_non_batch_node(cluster, job.job_id, out)
+    victim, _, watch = _crash_non_batch_node(cluster, job.job_id, out, hold)
     try:
         assert wait(job, poll_interval_s=1.0, timeout_s=JOB_TIMEOUT_S) == "COMPLETED"
         _assert_steps_once(out)
@@ -392,8 +403,10 @@ def test_sbatch_template_survives_a_real_node_crash_with_the_reference_weights(
 ) -> None:
     out = tmp_path / "out"
     out.mkdir()
-    job_id = _sbatch(tmp_path, ["--nodes=3", "--time=5"], [str(EXAMPLE), *training_args(out)]).stdout.strip()
-    victim, crashed_at, watch = _crash_non_batch_node(cluster, job_id, out)
+    script, hold = held_training(tmp_path, HELD_STEP_S)
+    hold.touch()
+    job_id = _sbatch(tmp_path, ["--nodes=3", "--time=5"], [str(script), *training_args(out)]).stdout.strip()
+    victim, crashed_at, watch = _crash_non_batch_node(cluster, job_id, out, hold)
     try:
         records = _wait_for_end(job_id)
         _assert_survived_crash(records, out, victim, crashed_at, watch)
@@ -424,13 +437,16 @@ def test_a_crashed_batch_host_is_survived_and_the_job_ends_with_the_reference_we
     it."""
     out = tmp_path / "out"
     out.mkdir()
-    job_id = _sbatch(tmp_path, ["--nodes=3", "--time=5"], [str(EXAMPLE), *training_args(out)]).stdout.strip()
+    script, hold = held_training(tmp_path, HELD_STEP_S)
+    hold.touch()
+    job_id = _sbatch(tmp_path, ["--nodes=3", "--time=5"], [str(script), *training_args(out)]).stdout.strip()
     _wait_for_step(out, CRASH_AT_STEP, job_id)
     rendezvous_log = tmp_path / f"oobleck-{job_id}-rendezvous.log"
     _wait_for(lambda: "follows (node" in rendezvous_log.read_text(), "a standby coordinator", 60)
     batch_host = job_fields(job_id)["BatchHost"]
     watch = DownWatch(cluster, batch_host)
     crashed_at = cluster.crash(batch_host)
+    hold.unlink()
     run("scontrol", "update", f"NodeName={batch_host}", "State=DOWN", "Reason=test-crash")
     watch.start()
     try:
@@ -611,26 +627,19 @@ def test_a_crashed_node_comes_back_and_joins_the_running_training(
     out, threads = tmp_path / "out", tmp_path / "threads"
     out.mkdir()
     threads.mkdir()
-    hold = tmp_path / "hold"
-    script = tmp_path / "slow_while_held.py"
-    script.write_text(
-        "import os, runpy, sys, time, torch\n"
-        "from torch.optim.optimizer import register_optimizer_step_post_hook\n"
+    record_threads = (
+        "import torch\n"
         f"open(os.path.join({str(threads)!r}, os.environ['SLURM_JOB_ID'] + '.' + os.environ['SLURM_PROCID']),"
         " 'w').write(str(torch.get_num_threads()))\n"
-        f"def idle(*_):\n    time.sleep(3.0 if os.path.exists({str(hold)!r}) else 0.0)\n"
-        "register_optimizer_step_post_hook(idle)\n"
-        f"sys.argv[0] = {str(EXAMPLE)!r}\n"
-        f"sys.path.insert(0, {str(EXAMPLE.parent)!r})\n"
-        f"runpy.run_path({str(EXAMPLE)!r}, run_name='__main__')\n"
     )
+    script, hold = held_training(tmp_path, 3.0, record_threads)
     # Lightning's progress bar on, as users leave it: the batch output must still read as plain lines.
     command = [str(script), *training_args(out), "trainer.enable_progress_bar=true"]
     monkeypatch.delenv("OMP_NUM_THREADS", raising=False)  # the join job inherits this environment
     job_id = _sbatch(tmp_path, ["--nodes=3", "--time=8"], command).stdout.strip()
     _wait_for_step(out, 2, job_id)
     hold.touch()
-    victim, _, watch = _crash_non_batch_node(cluster, job_id, out)
+    victim, _, watch = _crash_non_batch_node(cluster, job_id, out, None)
     join_id = None
     try:
         _wait_for(lambda: [e for e in events(out) if e["kind"] == "recovery"], "the survivors' recovery")
