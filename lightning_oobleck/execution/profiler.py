@@ -331,7 +331,7 @@ def timed(fn: Callable[[], T], device: torch.device, queued: bool = False) -> tu
     if device.type == "cuda":
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         key = str(torch.device("cuda", torch.cuda.current_device()) if device.index is None else device)
-        if queued:
+        if queued:  # the lead is per device: the launches' and the kernels' speeds are the device's
             torch.cuda._sleep(int(_lead_s.get(key, 1e-3) * _sleep_cycles_per_s(key)))
         start.record()
         launch = time.perf_counter()

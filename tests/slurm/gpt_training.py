@@ -49,13 +49,15 @@ def training_args(out: Path) -> list[str]:
     ]  # fmt: skip
 
 
-def held_training(directory: Path, pause_s: float, prelude: str = "") -> tuple[Path, Path]:
+def held_training(directory: Path, pause_s: float, prelude: str = "", held: bool = True) -> tuple[Path, Path]:
     """``examples/gpt/train.py`` behind a script of ``directory``, returned with its hold file: after every
-    optimizer step the training sleeps ``pause_s`` while the hold file exists. A test that crashes a node
-    mid-run creates the file before the job starts and removes it after the crash: the 24 steps of the tiny
-    model take about a second, less than a loaded machine may take to see a step and crash a node.
-    ``prelude``: Python that each task runs first."""
+    optimizer step the training sleeps ``pause_s`` while the hold file exists (``held``: it does from the
+    start). A test that crashes a node mid-run removes it after the crash: the 24 steps of the tiny model
+    take about a second, less than a loaded machine may take to see a step and crash a node. ``prelude``:
+    Python that each task runs first."""
     hold, script = directory / "hold", directory / "held_training.py"
+    if held:
+        hold.touch()
     script.write_text(
         "import os, runpy, sys, time\n"
         "from torch.optim.optimizer import register_optimizer_step_post_hook\n"

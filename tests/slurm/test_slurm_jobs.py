@@ -114,16 +114,13 @@ def _sbatch(workdir: Path, options: list[str], args: list[str]) -> subprocess.Co
 
 
 def _sbatch_until_done(workdir: Path, options: list[str], args: list[str]) -> tuple[str, int]:
-    """:func:`_sbatch`, then the job's end: its id and its exit status. ``sbatch --wait`` looks at 2 s and
-    then at 10 s; this looks every 0.2 s (a job that ends in its check takes about 1 s)."""
+    """:func:`_sbatch`, then the job's end (:func:`_wait_for_end`; ``sbatch --wait`` looks at 2 s and then
+    at 10 s, and a job that ends in its check takes about 1 s): its id and its exit status."""
     done = _sbatch(workdir, options, args)
     assert done.returncode == 0, done.stderr
     job_id = done.stdout.strip()
-    deadline = time.monotonic() + 90
-    while (fields := job_fields(job_id))["JobState"] not in TERMINAL_STATES:
-        assert time.monotonic() < deadline, f"job {job_id} still {fields['JobState']} after 90 s"
-        time.sleep(0.2)
-    return job_id, int(fields["ExitCode"].split(":")[0])
+    _wait_for_end(job_id, timeout_s=90)
+    return job_id, int(job_fields(job_id)["ExitCode"].split(":")[0])
 
 
 def _without_thread_settings() -> dict[str, str]:
@@ -293,7 +290,6 @@ def test_submitit_job_survives_its_batch_host_crash_and_reports_each_task(
     out = tmp_path / "out"
     out.mkdir()
     script, hold = held_training(tmp_path, HELD_STEP_S)
-    hold.touch()
     config = SubmitConfig(
         nodes=3, time="5", log_dir=str(tmp_path / "logs"), job_name="crash-submitit",
         script=str(script), args=training_args(out),
@@ -372,7 +368,6 @@ def test_two_tasks_per_node_survive_a_real_node_crash_with_the_reference_weights
     out.mkdir()
     args = [*training_args(out), "trainer.devices=2", "trainer.num_nodes=3", "data.num_workers=1", *policy]
     script, hold = held_training(tmp_path, HELD_STEP_S)
-    hold.touch()
     config = SubmitConfig(
         nodes=3, tasks_per_node=2, time="5", log_dir=str(tmp_path / "logs"), job_name="crash-2-tasks",
         script=str(script), args=args,
@@ -404,7 +399,6 @@ def test_sbatch_template_survives_a_real_node_crash_with_the_reference_weights(
     out = tmp_path / "out"
     out.mkdir()
     script, hold = held_training(tmp_path, HELD_STEP_S)
-    hold.touch()
     job_id = _sbatch(tmp_path, ["--nodes=3", "--time=5"], [str(script), *training_args(out)]).stdout.strip()
     victim, crashed_at, watch = _crash_non_batch_node(cluster, job_id, out, hold)
     try:
@@ -438,7 +432,6 @@ def test_a_crashed_batch_host_is_survived_and_the_job_ends_with_the_reference_we
     out = tmp_path / "out"
     out.mkdir()
     script, hold = held_training(tmp_path, HELD_STEP_S)
-    hold.touch()
     job_id = _sbatch(tmp_path, ["--nodes=3", "--time=5"], [str(script), *training_args(out)]).stdout.strip()
     _wait_for_step(out, CRASH_AT_STEP, job_id)
     rendezvous_log = tmp_path / f"oobleck-{job_id}-rendezvous.log"
@@ -632,7 +625,7 @@ def test_a_crashed_node_comes_back_and_joins_the_running_training(
         f"open(os.path.join({str(threads)!r}, os.environ['SLURM_JOB_ID'] + '.' + os.environ['SLURM_PROCID']),"
         " 'w').write(str(torch.get_num_threads()))\n"
     )
-    script, hold = held_training(tmp_path, 3.0, record_threads)
+    script, hold = held_training(tmp_path, 3.0, record_threads, held=False)
     # Lightning's progress bar on, as users leave it: the batch output must still read as plain lines.
     command = [str(script), *training_args(out), "trainer.enable_progress_bar=true"]
     monkeypatch.delenv("OMP_NUM_THREADS", raising=False)  # the join job inherits this environment
