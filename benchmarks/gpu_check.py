@@ -11,10 +11,11 @@ Its sections, each a list of rows ``(section, case, term, predicted, measured, r
   model run forward and backward as one stage (plain and recomputing), timed with CUDA events: the step time
   the profile predicts, and the activation bytes one micro-batch keeps (the allocator's growth across the
   forward).
-* ``stage``: every stage of the planner's 3-stage template for that model (one step of 1F1B: the stage's
-  in-flight micro-batches forward, then backward, then AdamW), allocated bytes per term against the cost
-  model's: parameters, activations in flight, gradients, optimizer state, the optimizer step's temporaries,
-  and the stage's peak (``torch.cuda.max_memory_allocated``) against its predicted bytes.
+* ``stage``: three stages of that model (:func:`stage_layouts`), each one step as 1F1B runs it (the stage's
+  in-flight micro-batches forward, then a backward and a forward in turn, then the backwards left, then
+  AdamW), allocated bytes per term against the cost model's: parameters, activations in flight, gradients,
+  the most a backward raises the bytes alive once the gradients exist, optimizer state, the optimizer step's
+  temporaries, and the stage's peak (``torch.cuda.max_memory_allocated``) against its predicted bytes.
 * ``loop``: ``examples/gpt/train.py`` on ``devices=1`` with ``precision="bf16-mixed"`` (validation, LR
   schedule, clipping): it must finish.
 * ``allocator`` (a GPU only, reported): the allocator's cache over the tensors' peak, and the device memory
@@ -62,7 +63,6 @@ from lightning_oobleck.planning.cost import CostModel
 from lightning_oobleck.planning.planner import PlannerInputs
 from lightning_oobleck.planning.profile import ModelProfile
 from lightning_oobleck.planning.schedules import in_flight_limit
-from lightning_oobleck.planning.templates import generate_template
 from lightning_oobleck.testing import LiveTensorMeter
 from lightning_oobleck.worker import Worker
 
@@ -74,6 +74,9 @@ REALISTIC = GPTConfig(vocab_size=50304, seq_len=2048, d_model=4096, n_heads=32, 
 SMALL = GPTConfig(vocab_size=64, seq_len=16, d_model=32, n_heads=2, n_blocks=4)
 MICROBATCHES = (1, 2, 4)
 STAGES = 3
+STEP_MICROBATCHES = 2 * STAGES
+"""Micro-batches of a checked stage's step: more than any stage keeps in flight, so that backwards run while
+the parameters' gradients exist (every micro-batch's but a step's first)."""
 
 TIME_TOLERANCE = 0.20
 """A step's measured time may differ from the profile's sum by this share (a GPU only)."""
@@ -250,16 +253,21 @@ def profile_rows(work: Workload, meter: Meter, microbatch: int, repeat: int = 5)
     return rows
 
 
+def stage_layouts(num_layers: int) -> list[tuple[int, int]]:
+    """The :data:`STAGES` stages checked, ``[first, end)`` each: the embedding with the first block, the other
+    blocks, and the head alone (whose logits' gradient is the most a backward allocates at once). Fixed, not
+    the planner's template of measured times, which moves with the machine's noise."""
+    return [(0, 2), (2, num_layers - 1), (num_layers - 1, num_layers)]
+
+
 def stage_rows(work: Workload, meter: Meter, microbatch: int) -> list[Row]:
-    """Every stage of the planner's template of :data:`STAGES` stages, one 1F1B step each, term by term."""
+    """Every stage of :func:`stage_layouts`, one 1F1B step each, term by term."""
     profile = work.profile(microbatch)
     cost = work.cost(profile)
-    template = generate_template(cost, 1, 2 * STAGES)
     rows = []
-    for s, placed in enumerate(template.stages):
-        first, end = placed.first_layer, placed.end_layer
+    for s, (first, end) in enumerate(stage_layouts(profile.num_layers)):
         case = f"stage {s} of {STAGES}: layers {first}-{end - 1}, micro-batch {microbatch}"
-        in_flight = in_flight_limit("1f1b", STAGES, s, 2 * STAGES)
+        in_flight = in_flight_limit("1f1b", STAGES, s, STEP_MICROBATCHES)
         params = cost.parameter_bytes(first, end)
         activations = cost.held_bytes(first, end)
         measured = _stage_step(work, meter, first, end, microbatch, in_flight, profile.num_layers)
@@ -269,6 +277,8 @@ def stage_rows(work: Workload, meter: Meter, microbatch: int) -> list[Row]:
             Row("stage", case, f"activations ({in_flight} in flight)", activations * in_flight,
                 measured["activations"], MEMORY_TOLERANCE),
             Row("stage", case, "gradients", params, measured["gradients"], PARAMETER_TOLERANCE),
+            Row("stage", case, "backward peak", cost.backward_peak_bytes(first, end),
+                measured["backward peak"], MEMORY_TOLERANCE),
             Row("stage", case, "optimizer state", params * (factor - 2), measured["optimizer state"],
                 MEMORY_TOLERANCE),
             Row("stage", case, "optimizer step temporaries", float(cost.step_bytes(params)),
@@ -282,8 +292,9 @@ def stage_rows(work: Workload, meter: Meter, microbatch: int) -> list[Row]:
 def _stage_step(
     work: Workload, meter: Meter, first: int, end: int, microbatch: int, in_flight: int, num_layers: int
 ) -> dict[str, float]:
-    """Two 1F1B steps of the stage holding ``[first, end)`` (the second measured: the optimizer's state
-    exists, as in every step but the first): ``in_flight`` micro-batches forward, their backwards, AdamW."""
+    """Two steps of the stage holding ``[first, end)`` as 1F1B runs it (the second measured: the optimizer's
+    state exists, as in every step but the first): ``in_flight`` micro-batches forward, then one backward and
+    one forward in turn until :data:`STEP_MICROBATCHES` went forward, then the backwards left; then AdamW."""
     _free(work.device)
     start = meter.allocated()
     stage = build_stage(work.layers, range(first, end), work.device, dtype=work.dtype)
@@ -291,31 +302,46 @@ def _stage_step(
     optimizer = torch.optim.AdamW(stage.parameters(), lr=1e-4, foreach=True)  # the default on a GPU
     hidden = (microbatch, work.config.seq_len, work.config.d_model)
     result: dict[str, float] = {"parameters": parameters}
+
+    def forward(stage: torch.nn.Module, step: int, mb: int) -> Tensor:
+        inputs, targets = work.tokens(microbatch, seed=10 * step + mb)
+        if first > 0:  # an activation received from the previous stage
+            inputs = torch.randn(hidden, device=work.device, dtype=work.dtype, requires_grad=True)
+        # the executor keeps a stage's output (the last stage's loss) until the micro-batch's backward
+        return gpt_loss(stage(inputs), targets) if end == num_layers else stage(inputs)
+
+    def backward(root: Tensor) -> tuple[int, int]:
+        """The micro-batch's backward: the most bytes it allocated at once, and the peak before it."""
+        before, earlier = meter.allocated(), meter.peak()
+        meter.reset_peak()
+        root.backward(torch.ones_like(root))
+        return meter.peak() - before, earlier
+
     for step in range(2):
         stage.zero_grad(set_to_none=True)
         base = meter.allocated()
         meter.reset_peak()
-        kept = []
-        for mb in range(in_flight):
-            inputs, targets = work.tokens(microbatch, seed=10 * step + mb)
-            if first > 0:  # an activation received from the previous stage
-                inputs = torch.randn(hidden, device=work.device, dtype=work.dtype, requires_grad=True)
-            # the executor keeps a stage's output (the last stage's loss) until the micro-batch's backward
-            kept.append(gpt_loss(stage(inputs), targets) if end == num_layers else stage(inputs))
+        kept = [forward(stage, step, mb) for mb in range(in_flight)]
         result["activations"] = meter.allocated() - base
-        for root in kept:
-            root.backward(torch.ones_like(root))
-        del kept, root, inputs
+        rises, peaks = [], []
+        for mb in range(in_flight, STEP_MICROBATCHES + in_flight):
+            rise, earlier = backward(kept.pop(0))
+            rises.append(rise)
+            peaks.append(earlier)
+            if mb < STEP_MICROBATCHES:
+                kept.append(forward(stage, step, mb))
+        peaks.append(meter.peak())
         after_backward = meter.allocated()
         result["gradients"] = after_backward - base
-        meter_peak = meter.peak()
+        # the first backward makes the gradients, which the cost model counts with the parameters' state
+        result["backward peak"] = max(rises[1:])
         meter.reset_peak()
         optimizer.step()
         step_peak = meter.peak()
         result["optimizer step temporaries"] = step_peak - after_backward
         if step == 0:  # the step that creates the state
             result["optimizer state"] = meter.allocated() - after_backward
-        result["peak"] = max(meter_peak, step_peak) - start
+        result["peak"] = max(*peaks, step_peak) - start
     del stage, optimizer
     _free(work.device)
     return result

@@ -9,15 +9,27 @@ Under ``torch.autocast`` a layer saves the 16-bit casts of its weights. Autocast
 whole region (a training step: one copy per parameter, shared by every micro-batch), so they are not
 per-micro-batch memory and are not counted here: the planner counts them with the parameters' state
 (:func:`lightning_oobleck.planning.cost.default_state_factor`).
+
+:class:`LiveTensorMeter` counts every tensor alive instead, whoever holds it: what
+``torch.cuda.memory_allocated`` tells on a GPU, on any device (a CPU's allocator keeps no statistics). It
+sees each tensor an operation creates while it is active (a dispatch mode) and counts each storage once until
+it is freed: autograd's saved tensors, a backward's gradients, autocast's cache, a pending send, an
+optimizer's state. Its peak is sampled after every operation, so it misses only what lives and dies inside
+one operation (a kernel's workspace); it knows nothing of allocator rounding or caching. Tensors made before
+it started count once :meth:`LiveTensorMeter.track` is given them.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterable
 from types import TracebackType
+from typing import Any
 
 import torch
+import torch.utils._pytree as pytree
 from torch import Tensor
+from torch.multiprocessing.reductions import StorageWeakRef
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from lightning_oobleck.execution.tensor_parallel import local
 
@@ -111,3 +123,56 @@ class SavedTensorMeter:
             self._refs[key] = count
         else:
             self.live_bytes -= key[1]
+
+
+class LiveTensorMeter(TorchDispatchMode):
+    """Context manager: bytes of tensor storage alive now (:attr:`live_bytes`) and at most
+    (:attr:`peak_bytes`) since it started or since :meth:`reset_peak`, in this thread."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._storages: dict[int, tuple[StorageWeakRef, int]] = {}
+        self._live = 0
+        self.peak_bytes = 0
+        """The most bytes alive after any operation since the start or :meth:`reset_peak`."""
+
+    @property
+    def live_bytes(self) -> int:
+        """The bytes alive now."""
+        self._sweep()
+        return self._live
+
+    def track(self, *tensors: Tensor) -> None:
+        """Count ``tensors`` (made before the meter started: parameters, say) until they are freed."""
+        for t in tensors:
+            self._add(t)
+        self._sweep()
+
+    def reset_peak(self) -> None:
+        """Start a new peak from the bytes alive now."""
+        self.peak_bytes = self.live_bytes
+
+    def _add(self, t: Tensor) -> None:
+        if t.device.type == "meta":
+            return
+        storage = local(t).untyped_storage()  # a split tensor (DTensor) counts by this device's shard
+        known = self._storages.get(storage.data_ptr())
+        if known is None or known[0].expired():  # a new storage, maybe at a freed one's address
+            self._storages[storage.data_ptr()] = (StorageWeakRef(storage), storage.nbytes())
+
+    def _sweep(self) -> None:
+        freed = [address for address, (ref, _) in self._storages.items() if ref.expired()]
+        for address in freed:
+            del self._storages[address]
+        self._live = sum(nbytes for _, nbytes in self._storages.values())
+        self.peak_bytes = max(self.peak_bytes, self._live)
+
+    def __torch_dispatch__(
+        self, func: Any, types: Any, args: tuple[Any, ...] = (), kwargs: dict[str, Any] | None = None
+    ) -> Any:
+        out = func(*args, **(kwargs or {}))
+        for t in pytree.tree_leaves(out):
+            if isinstance(t, Tensor):
+                self._add(t)
+        self._sweep()
+        return out

@@ -8,7 +8,10 @@ around its kernels queued back to back (the device's time, not the Python launch
 by the wall clock elsewhere. Memory is counted, not estimated: parameter bytes, the bytes of the
 layer's output (what crosses a stage boundary) and the bytes of the tensors autograd saves for the
 backward (what each in-flight micro-batch keeps alive), found with ``saved_tensors_hooks``
-(:class:`SavedTensorMeter`). Results are cached on disk under a key of everything that changes them.
+(:class:`SavedTensorMeter`), and how far the layer's backward raises the bytes alive (its gradients, as in
+every micro-batch but a step's first: the parameters' gradients already exist), found by counting every
+tensor alive (:class:`LiveTensorMeter`, one more pass, untimed). Results are cached on disk under a key of
+everything that changes them.
 
 At each tensor-parallel degree ``t`` asked for, every layer is split by its plan and profiled again as one
 rank of a stage of ``t`` devices (:func:`~lightning_oobleck.execution.tensor_parallel.one_rank_of`): its own
@@ -34,7 +37,7 @@ from torch import Tensor, nn
 from torch.distributed.device_mesh import DeviceMesh
 
 from lightning_oobleck.execution.backward import backward_input, backward_weight, splits_backward
-from lightning_oobleck.execution.memory import SavedTensorMeter
+from lightning_oobleck.execution.memory import LiveTensorMeter, SavedTensorMeter
 from lightning_oobleck.execution.schedule import Context, LossFn
 from lightning_oobleck.execution.stage import (
     LayerInit,
@@ -230,6 +233,7 @@ def _cache_key(
         "torch": torch.__version__,
         "repetitions": [warmup, repeat],
         "timed": ["forward", "input gradient", "weight gradient"],
+        "memory": ["saved tensors", "backward peak"],
         "clock": "device, launches queued",
         "loss": None
         if loss_fn is None or example_target is None
@@ -298,6 +302,8 @@ def _profile_layer(
             forward_s.append(t_fwd)
             input_s.append(t_in)
             weight_s.append(t_weight)
+    backward_peak = _backward_peak_bytes(forward)
+    layer.zero_grad(set_to_none=True)
     forward_meter, backward_meter = CollectiveMeter(), CollectiveMeter()
     if collectives:
         with forward_meter:
@@ -316,8 +322,25 @@ def _profile_layer(
         activation_bytes=saved_bytes,
         tensor_parallel_forward_bytes=tuple(forward_meter.sizes),
         tensor_parallel_backward_bytes=tuple(backward_meter.sizes),
+        backward_peak_bytes=backward_peak,
     )
     return profile, pytree.tree_map(lambda t: t.detach() if isinstance(t, Tensor) else t, out)
+
+
+def _backward_peak_bytes(forward: Callable[[], tuple[Any, list[Tensor], list[Tensor]]]) -> int:
+    """How far one micro-batch's backward raises the bytes alive, as 1F1B runs it (whole) once the parameters
+    have gradients (a step's first micro-batch makes them; every later one makes each anew and adds it): the
+    gradient arriving at the output, intermediate and input gradients and new ones, less the saved tensors
+    it frees on the way."""
+    rise = 0
+    for accumulating in (False, True):
+        with LiveTensorMeter() as meter:
+            _, roots, _ = forward()
+            before = meter.live_bytes
+            meter.reset_peak()
+            torch.autograd.backward(roots, [torch.ones_like(r) for r in roots])
+            rise = meter.peak_bytes - before if accumulating else 0
+    return rise
 
 
 def timed(fn: Callable[[], T], device: torch.device, queued: bool = False) -> tuple[T, float]:

@@ -28,7 +28,10 @@ optimizer state, plus the larger of two: the activations of the micro-batches th
 on that stage (:func:`~lightning_oobleck.planning.schedules.in_flight_limit`: ``min(S - s, m)`` for 1F1B,
 where stage 0 holds the most; ``min(S, m)`` on every stage for ZB-H1), and the optimizer step's temporaries
 (:data:`OPTIMIZER_STEP_TEMPORARIES` times the parameter bytes; the step runs once every activation is
-freed). A micro-batch in flight keeps what the stage's layers save for the backward and the stage's output,
+freed). The activations are alive at once with a backward's own allocations: the most any layer of the
+stage allocates at once in its backward (``LayerProfile.backward_peak_bytes``: the gradients of its output,
+intermediates and input, each parameter's new gradient before it is added to the one kept).
+A micro-batch in flight keeps what the stage's layers save for the backward and the stage's output,
 which the executor keeps as the root of the micro-batch's backward (the last stage keeps the loss instead,
 whose saved tensors its profile counts). Templates are checked with ``m >= S`` (the worst case), so they
 stay feasible whatever batch they are given later.
@@ -36,9 +39,10 @@ stay feasible whatever batch they are given later.
 Activation recomputation (``activation_checkpointing``): a recomputing stage keeps, per in-flight
 micro-batch, only each layer's input (the output of the layer before it; the pipeline's own input is not
 counted) and the stage's output (on the last stage, the logits the loss keeps) instead of every tensor its
-layers save, plus the saved tensors of the one layer being recomputed at a time; it runs each forward twice
-(``compute + forward``). ``True`` recomputes on every stage, ``"auto"`` only on the stages of a split that
-would not fit the device otherwise (per stage, in the template search), ``False`` never.
+layers save, plus the saved tensors of the one layer being recomputed at a time and its backward's peak; it
+runs each forward twice (``compute + forward``). ``True`` recomputes on every stage, ``"auto"`` only on the
+stages of a split that would not fit the device otherwise (per stage, in the template search), ``False``
+never.
 
 Tensor parallelism (a profile at ``t > 1``, :meth:`ModelProfile.at`): a stage runs on ``t`` devices of one
 node, ``G / t`` stages per node, and every time and byte above is one rank's. A layer's time adds its
@@ -180,6 +184,9 @@ class CostModel:
         # the input each layer keeps when recomputing: the output of the layer before it
         self._inputs = prefix([0.0] + [la.output_activation_bytes for la in layers[:-1]])
         self._saved = np.asarray([la.activation_bytes for la in layers], dtype=np.float64)
+        backward_peak = np.asarray([la.backward_peak_bytes or 0 for la in layers], dtype=np.float64)
+        self._backward_peak = _range_max(backward_peak)
+        self._recomputing_peak = _range_max(self._saved + backward_peak)
         # the output a stage ending before layer j keeps per in-flight micro-batch (indexed by j)
         self._kept_output = np.concatenate(([0.0], self._outputs[:-1], [0.0]))
         self._kept_output_recomputing = np.concatenate(([0.0], self._outputs))
@@ -245,8 +252,12 @@ class CostModel:
         """Peak memory of stage ``stage`` of ``num_stages``; ``microbatches=None`` means ``m >= S``."""
         in_flight = in_flight_limit(self.schedule, num_stages, stage, microbatches or num_stages)
         params = self.parameter_bytes(first, end)
-        held = self.held_bytes(first, end) * in_flight
+        held = self.held_bytes(first, end) * in_flight + self.backward_peak_bytes(first, end)
         return float(params * self.state_factor + max(held, self.step_bytes(params)))
+
+    def backward_peak_bytes(self, first: int, end: int) -> float:
+        """The most bytes a backward of ``[first, end)`` allocates at once: its largest layer's."""
+        return float(self._backward_peak[first, end])
 
     def held_bytes(self, first: int, end: int, recompute: bool = False) -> float:
         """Bytes one in-flight micro-batch keeps on a stage holding ``[first, end)``: every tensor its layers
@@ -394,13 +405,9 @@ class CostModel:
     def recompute_memory_band(self, num_stages: int) -> np.ndarray:
         """Peak memory of every range of the band as its stage with ``m >= S``, recomputing."""
         _, first, end = self._band(num_stages)
-        n = self.num_layers + 1
-        peak = np.zeros((n, n))  # the saved tensors of the largest layer of [i, j), alive while recomputed
-        for i in range(n - 1):
-            peak[i, i + 1 :] = np.maximum.accumulate(self._saved[i:])
         params = self._params[end] - self._params[first]
         inputs = self._inputs[end] - self._inputs[first] + self._kept_output_recomputing[end]
-        held = inputs * self._in_flight(num_stages) + peak[first, end]
+        held = inputs * self._in_flight(num_stages) + self._recomputing_peak[first, end]
         return params * self.state_factor + np.maximum(held, self.step_bytes(params))
 
     def stage_memory_band(self, num_stages: int) -> np.ndarray:
@@ -409,10 +416,19 @@ class CostModel:
         params = self._params[end] - self._params[first]
         held = (self._activations[end] - self._activations[first] + self._kept_output[end]) * self._in_flight(
             num_stages
-        )
+        ) + self._backward_peak[first, end]
         return params * self.state_factor + np.maximum(held, self.step_bytes(params))
 
     def _in_flight(self, num_stages: int) -> np.ndarray:
         """Micro-batches in flight on each stage with ``m >= S``, shaped to broadcast over ``[s, i, j]``."""
         limits = [in_flight_limit(self.schedule, num_stages, s, num_stages) for s in range(num_stages)]
         return np.asarray(limits, dtype=np.float64)[:, None, None]
+
+
+def _range_max(values: np.ndarray) -> np.ndarray:
+    """``m[i, j]``: the largest of ``values[i:j]`` (0 where the range is empty), for every range."""
+    n = len(values) + 1
+    m = np.zeros((n, n))
+    for i in range(n - 1):
+        m[i, i + 1 :] = np.maximum.accumulate(values[i:])
+    return m

@@ -47,6 +47,12 @@ class LayerProfile:
     tensor_parallel_backward_bytes: tuple[int, ...] = ()
     """At ``t > 1``: the size of each all-reduce in the layer's backward (the input gradient of every
     column-parallel product); it is on the input gradient's path (``I``), not the weights' (``W``)."""
+    backward_peak_bytes: int | None = None
+    """How far the layer's backward of one micro-batch raises the bytes alive, as 1F1B runs it (whole), once
+    its parameters have gradients: the gradient arriving at its output, its intermediate and input gradients,
+    each parameter's new gradient before it is added to the one the earlier micro-batches left, less the saved
+    tensors it frees on the way. On top of every in-flight micro-batch's activations. ``None`` in synthetic
+    profiles and in those measured before the profiler measured it (counted as 0)."""
 
 
 @dataclass(frozen=True)

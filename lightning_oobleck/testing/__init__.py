@@ -13,6 +13,7 @@ from lightning_oobleck.execution.faults import (
     armed,
     disarm,
 )
+from lightning_oobleck.execution.memory import LiveTensorMeter
 from lightning_oobleck.testing.emulated import (
     DeviceTimes,
     EmulatedLayer,
@@ -20,7 +21,7 @@ from lightning_oobleck.testing.emulated import (
     emulated_layers,
     emulated_profile,
 )
-from lightning_oobleck.testing.memory import LiveTensorMeter, PeakResidentMemory
+from lightning_oobleck.testing.memory import PeakResidentMemory
 
 __all__ = [
     "FAULTS_ENV",

@@ -22,6 +22,7 @@ def random_profile(rng: np.random.Generator, num_layers: int) -> ModelProfile:
             parameter_bytes=int(rng.integers(1, 100)),
             output_activation_bytes=int(rng.integers(1, 1000)),
             activation_bytes=int(rng.integers(1, 50)),
+            backward_peak_bytes=int(rng.integers(0, 50)),
         )
         for _ in range(num_layers)
     )

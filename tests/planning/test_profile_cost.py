@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import numpy as np
 import pytest
 from planning_cases import random_cost
@@ -79,6 +81,30 @@ def test_1f1b_memory_keeps_min_of_remaining_stages_and_microbatches_in_flight() 
     assert cost.stage_memory_bytes(1, 3, 3, 4) == pytest.approx(params + acts)
     assert cost.stage_memory_bytes(1, 3, 0, 4, microbatches=2) == pytest.approx(params + 2 * acts)
     assert cost.state_factor == 8.0
+
+
+def test_a_stage_holds_its_largest_backward_peak_on_top_of_its_activations() -> None:
+    synthetic = synthetic_gpt_profile(6)
+    peaks = [0, 7000, 9000, 3000, 5000, 0]
+    layers = synthetic.layers
+    profile = replace(
+        synthetic,
+        layers=tuple(replace(la, backward_peak_bytes=b) for la, b in zip(layers, peaks, strict=True)),
+    )
+    plain, cost = CostModel(synthetic, ClusterSpec(1, 1)), CostModel(profile, ClusterSpec(1, 1))
+    for first, end, largest in ((1, 3, 9000), (3, 5, 5000), (0, 1, 0), (1, 5, 9000)):
+        assert cost.backward_peak_bytes(first, end) == largest
+        # the backward runs while every in-flight micro-batch's activations are alive
+        assert (
+            cost.stage_memory_bytes(first, end, 0, 2) == plain.stage_memory_bytes(first, end, 0, 2) + largest
+        )
+    recomputing = CostModel(profile, ClusterSpec(1, 1), activation_checkpointing=True)
+    saved = [la.activation_bytes for la in layers]
+    # recomputing, the layer being recomputed holds its saved tensors and its backward's rise at once
+    expected = max(s + b for s, b in zip(saved[1:5], peaks[1:5], strict=True))
+    without = CostModel(synthetic, ClusterSpec(1, 1), activation_checkpointing=True)
+    band, plain_band = recomputing.recompute_memory_band(2), without.recompute_memory_band(2)
+    assert band[0, 1, 3] - plain_band[0, 1, 3] == pytest.approx(expected - max(saved[1:5]))
 
 
 def test_pipeline_time_allreduce_and_tail_formulas() -> None:
