@@ -15,7 +15,8 @@ Its sections, each a list of rows ``(section, case, term, predicted, measured, r
   in-flight micro-batches forward, then a backward and a forward in turn, then the backwards left, then
   AdamW), allocated bytes per term against the cost model's: parameters, activations in flight, gradients,
   the most a backward raises the bytes alive once the gradients exist, optimizer state, the optimizer step's
-  temporaries, and the stage's peak (``torch.cuda.max_memory_allocated``) against its predicted bytes.
+  temporaries, and the stage's peak (``torch.cuda.max_memory_allocated``) against its predicted bytes; then
+  the peak of one ZB-H1 step (its backwards split, ``W`` trailing ``I``) against the model's under ZB-H1.
 * ``loop``: ``examples/gpt/train.py`` on ``devices=1`` with ``precision="bf16-mixed"`` (validation, LR
   schedule, clipping): it must finish.
 * ``allocator`` (a GPU only, reported): the allocator's cache over the tensors' peak, and the device memory
@@ -56,13 +57,14 @@ from rich.table import Table
 from torch import Tensor
 
 from lightning_oobleck.execution import ProcessGroups, profile_layers
+from lightning_oobleck.execution.backward import backward_input, backward_weight, splits_backward
 from lightning_oobleck.execution.profiler import timed
 from lightning_oobleck.execution.stage import build_stage
 from lightning_oobleck.planning import ClusterSpec
 from lightning_oobleck.planning.cost import CostModel
 from lightning_oobleck.planning.planner import PlannerInputs
 from lightning_oobleck.planning.profile import ModelProfile
-from lightning_oobleck.planning.schedules import in_flight_limit
+from lightning_oobleck.planning.schedules import SCHEDULES, Op, in_flight_limit
 from lightning_oobleck.testing import LiveTensorMeter
 from lightning_oobleck.worker import Worker
 
@@ -206,10 +208,15 @@ class Workload:
             self.layers, inputs, self.device, self.dtype, loss_fn=gpt_loss, example_target=targets
         )
 
-    def cost(self, profile: ModelProfile) -> CostModel:
+    @property
+    def num_layers(self) -> int:
+        """The embedding, the blocks and the head (:func:`gpt_layers`)."""
+        return self.config.n_blocks + 2
+
+    def cost(self, profile: ModelProfile, schedule: str = "1f1b") -> CostModel:
         """The cost model on one node of :data:`STAGES` devices of unbounded memory (the check compares
         terms; it does not ask what fits)."""
-        return CostModel(profile, ClusterSpec(1, STAGES, device_memory_bytes=math.inf))
+        return CostModel(profile, ClusterSpec(1, STAGES, device_memory_bytes=math.inf), schedule=schedule)
 
 
 def _free(device: torch.device) -> None:
@@ -261,23 +268,23 @@ def stage_layouts(num_layers: int) -> list[tuple[int, int]]:
 
 
 def stage_rows(work: Workload, meter: Meter, microbatch: int) -> list[Row]:
-    """Every stage of :func:`stage_layouts`, one 1F1B step each, term by term."""
+    """Every stage of :func:`stage_layouts`, one 1F1B step each term by term, and one ZB-H1 step's peak."""
     profile = work.profile(microbatch)
-    cost = work.cost(profile)
+    cost, zb = work.cost(profile), work.cost(profile, "zb-h1")
     rows = []
     for s, (first, end) in enumerate(stage_layouts(profile.num_layers)):
         case = f"stage {s} of {STAGES}: layers {first}-{end - 1}, micro-batch {microbatch}"
         in_flight = in_flight_limit("1f1b", STAGES, s, STEP_MICROBATCHES)
         params = cost.parameter_bytes(first, end)
         activations = cost.held_bytes(first, end)
-        measured = _stage_step(work, meter, first, end, microbatch, in_flight, profile.num_layers)
+        measured = _stage_step(work, meter, s, first, end, microbatch, "1f1b")
         factor = cost.state_factor
         rows += [
             Row("stage", case, "parameters", params, measured["parameters"], PARAMETER_TOLERANCE),
             Row("stage", case, f"activations ({in_flight} in flight)", activations * in_flight,
                 measured["activations"], MEMORY_TOLERANCE),
             Row("stage", case, "gradients", params, measured["gradients"], PARAMETER_TOLERANCE),
-            Row("stage", case, "backward peak", cost.backward_peak_bytes(first, end),
+            Row("stage", case, "backward peak", cost.backward_peak_bytes(first, end, s),
                 measured["backward peak"], MEMORY_TOLERANCE),
             Row("stage", case, "optimizer state", params * (factor - 2), measured["optimizer state"],
                 MEMORY_TOLERANCE),
@@ -285,52 +292,66 @@ def stage_rows(work: Workload, meter: Meter, microbatch: int) -> list[Row]:
                 measured["optimizer step temporaries"], MEMORY_TOLERANCE),
             Row("stage", case, "peak", cost.stage_memory_bytes(first, end, s, STAGES), measured["peak"],
                 MEMORY_TOLERANCE),
+            Row("stage", case, "peak under ZB-H1", zb.stage_memory_bytes(first, end, s, STAGES),
+                _stage_step(work, meter, s, first, end, microbatch, "zb-h1")["peak"], MEMORY_TOLERANCE),
         ]  # fmt: skip
     return rows
 
 
 def _stage_step(
-    work: Workload, meter: Meter, first: int, end: int, microbatch: int, in_flight: int, num_layers: int
+    work: Workload, meter: Meter, s: int, first: int, end: int, microbatch: int, schedule: str
 ) -> dict[str, float]:
-    """Two steps of the stage holding ``[first, end)`` as 1F1B runs it (the second measured: the optimizer's
-    state exists, as in every step but the first): ``in_flight`` micro-batches forward, then one backward and
-    one forward in turn until :data:`STEP_MICROBATCHES` went forward, then the backwards left; then AdamW."""
+    """Two steps of stage ``s``, holding ``[first, end)``, in the order ``schedule`` gives it for
+    :data:`STEP_MICROBATCHES` micro-batches (the second measured: the optimizer's state exists, as in every
+    step but the first), its backwards whole or split as the executor runs them; then AdamW."""
     _free(work.device)
     start = meter.allocated()
     stage = build_stage(work.layers, range(first, end), work.device, dtype=work.dtype)
     parameters = meter.allocated() - start
     optimizer = torch.optim.AdamW(stage.parameters(), lr=1e-4, foreach=True)  # the default on a GPU
+    split = [p for layer in stage.layers.values() if splits_backward(layer) for p in layer.parameters()]
+    whole = [p for layer in stage.layers.values() if not splits_backward(layer) for p in layer.parameters()]
     hidden = (microbatch, work.config.seq_len, work.config.d_model)
+    in_flight = in_flight_limit(schedule, STAGES, s, STEP_MICROBATCHES)
     result: dict[str, float] = {"parameters": parameters}
 
-    def forward(stage: torch.nn.Module, step: int, mb: int) -> Tensor:
+    def forward(stage: torch.nn.Module, step: int, mb: int) -> tuple[Tensor, list[Tensor]]:
         inputs, targets = work.tokens(microbatch, seed=10 * step + mb)
         if first > 0:  # an activation received from the previous stage
             inputs = torch.randn(hidden, device=work.device, dtype=work.dtype, requires_grad=True)
         # the executor keeps a stage's output (the last stage's loss) until the micro-batch's backward
-        return gpt_loss(stage(inputs), targets) if end == num_layers else stage(inputs)
-
-    def backward(root: Tensor) -> tuple[int, int]:
-        """The micro-batch's backward: the most bytes it allocated at once, and the peak before it."""
-        before, earlier = meter.allocated(), meter.peak()
-        meter.reset_peak()
-        root.backward(torch.ones_like(root))
-        return meter.peak() - before, earlier
+        out = stage(inputs)
+        return (gpt_loss(out, targets) if end == work.num_layers else out), ([inputs] if first > 0 else [])
 
     for step in range(2):
         stage.zero_grad(set_to_none=True)
         base = meter.allocated()
         meter.reset_peak()
-        kept = [forward(stage, step, mb) for mb in range(in_flight)]
-        result["activations"] = meter.allocated() - base
-        rises, peaks = [], []
-        for mb in range(in_flight, STEP_MICROBATCHES + in_flight):
-            rise, earlier = backward(kept.pop(0))
-            rises.append(rise)
-            peaks.append(earlier)
-            if mb < STEP_MICROBATCHES:
-                kept.append(forward(stage, step, mb))
-        peaks.append(meter.peak())
+        kept: dict[int, tuple[Tensor, list[Tensor]]] = {}
+        pending = {}
+        rises, peak = [], 0
+        for op, mb in SCHEDULES[schedule](STAGES, s, STEP_MICROBATCHES):
+            if op is Op.F:
+                kept[mb] = forward(stage, step, mb)
+                if len(kept) == in_flight and not rises and not pending:
+                    result["activations"] = meter.allocated() - base
+                continue
+            before = meter.allocated()
+            peak = max(peak, meter.peak())
+            meter.reset_peak()
+            if op is Op.W:
+                backward_weight(pending.pop(mb))
+                del kept[mb]
+            else:
+                root, inputs = kept[mb] if op is Op.I else kept.pop(mb)
+                grad = [torch.ones_like(root)]
+                if op is Op.I:
+                    pending[mb] = backward_input([root], grad, inputs, split, whole)
+                else:
+                    torch.autograd.backward([root], grad)
+                del root, inputs, grad
+                rises.append(meter.peak() - before)
+        peak = max(peak, meter.peak())
         after_backward = meter.allocated()
         result["gradients"] = after_backward - base
         # the first backward makes the gradients, which the cost model counts with the parameters' state
@@ -341,7 +362,7 @@ def _stage_step(
         result["optimizer step temporaries"] = step_peak - after_backward
         if step == 0:  # the step that creates the state
             result["optimizer state"] = meter.allocated() - after_backward
-        result["peak"] = max(*peaks, step_peak) - start
+        result["peak"] = max(peak, step_peak) - start
     del stage, optimizer
     _free(work.device)
     return result

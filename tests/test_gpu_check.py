@@ -54,6 +54,7 @@ def test_every_comparison_of_the_check_holds_on_the_cpu(tmp_path: Path) -> None:
         "optimizer state",
         "optimizer step temporaries",
         "peak",
+        "peak under ZB-H1",
     } <= terms
     stages = {r["case"].split(":")[0] for r in rows if r["section"] == "stage"}
     assert len(stages) == gpu_check.STAGES
@@ -81,8 +82,8 @@ def test_a_term_the_device_disagrees_with_is_named_and_fails_the_check() -> None
         rows = gpu_check.stage_rows(work, meter, 2)
     off = gpu_check.failures(rows)
     off_terms = {r.term for r in rows if not r.ok}
-    assert off_terms == {"backward peak", "optimizer step temporaries", "peak"}, off
-    assert len(off) == 3 * gpu_check.STAGES
+    assert off_terms == {"backward peak", "optimizer step temporaries", "peak", "peak under ZB-H1"}, off
+    assert len(off) == 4 * gpu_check.STAGES
     assert all("measured" in line and "the model predicts" in line and "tolerance" in line for line in off)
     assert any("optimizer step temporaries" in line for line in off)
 

@@ -9,8 +9,9 @@ by the wall clock elsewhere. Memory is counted, not estimated: parameter bytes, 
 layer's output (what crosses a stage boundary) and the bytes of the tensors autograd saves for the
 backward (what each in-flight micro-batch keeps alive), found with ``saved_tensors_hooks``
 (:class:`SavedTensorMeter`), and how far the layer's backward raises the bytes alive (its gradients, as in
-every micro-batch but a step's first: the parameters' gradients already exist), found by counting every
-tensor alive (:class:`LiveTensorMeter`, one more pass, untimed). Results are cached on disk under a key of
+every micro-batch but a step's first: the parameters' gradients already exist), run whole and split, and
+what the split's ``I`` keeps for its ``W``, found by counting every tensor alive (:class:`LiveTensorMeter`,
+untimed passes). Results are cached on disk under a key of
 everything that changes them.
 
 At each tensor-parallel degree ``t`` asked for, every layer is split by its plan and profiled again as one
@@ -233,7 +234,7 @@ def _cache_key(
         "torch": torch.__version__,
         "repetitions": [warmup, repeat],
         "timed": ["forward", "input gradient", "weight gradient"],
-        "memory": ["saved tensors", "backward peak"],
+        "memory": ["saved tensors", "backward peaks, whole and split", "kept from I to W"],
         "clock": "device, launches queued",
         "loss": None
         if loss_fn is None or example_target is None
@@ -302,7 +303,7 @@ def _profile_layer(
             forward_s.append(t_fwd)
             input_s.append(t_in)
             weight_s.append(t_weight)
-    backward_peak = _backward_peak_bytes(forward)
+    backward_peak, split_backward_peak, weight_kept = _backward_memory(forward, split, whole)
     layer.zero_grad(set_to_none=True)
     forward_meter, backward_meter = CollectiveMeter(), CollectiveMeter()
     if collectives:
@@ -323,24 +324,36 @@ def _profile_layer(
         tensor_parallel_forward_bytes=tuple(forward_meter.sizes),
         tensor_parallel_backward_bytes=tuple(backward_meter.sizes),
         backward_peak_bytes=backward_peak,
+        split_backward_peak_bytes=split_backward_peak,
+        weight_gradient_kept_bytes=weight_kept,
     )
     return profile, pytree.tree_map(lambda t: t.detach() if isinstance(t, Tensor) else t, out)
 
 
-def _backward_peak_bytes(forward: Callable[[], tuple[Any, list[Tensor], list[Tensor]]]) -> int:
-    """How far one micro-batch's backward raises the bytes alive, as 1F1B runs it (whole) once the parameters
-    have gradients (a step's first micro-batch makes them; every later one makes each anew and adds it): the
-    gradient arriving at the output, intermediate and input gradients and new ones, less the saved tensors
-    it frees on the way."""
-    rise = 0
-    for accumulating in (False, True):
-        with LiveTensorMeter() as meter:
-            _, roots, _ = forward()
-            before = meter.live_bytes
-            meter.reset_peak()
-            torch.autograd.backward(roots, [torch.ones_like(r) for r in roots])
-            rise = meter.peak_bytes - before if accumulating else 0
-    return rise
+def _backward_memory(
+    forward: Callable[[], tuple[Any, list[Tensor], list[Tensor]]], split: list[Tensor], whole: list[Tensor]
+) -> tuple[int, int, int]:
+    """How far one micro-batch's backward raises the bytes alive, run whole and split (``I`` then ``W``), and
+    what the split's ``I`` keeps for its ``W``; measured once the parameters have gradients (a step's first
+    micro-batch makes them; every later one makes each anew and adds it)."""
+    rises = []
+    for split_run in (False, True):
+        for accumulating in (False, True):
+            with LiveTensorMeter() as meter:
+                _, roots, leaves = forward()
+                before = meter.live_bytes
+                meter.reset_peak()
+                grads = [torch.ones_like(r) for r in roots]
+                if split_run:
+                    pending = backward_input(roots, grads, leaves, split, whole)
+                    sent = sum(t.grad.untyped_storage().nbytes() for t in leaves if t.grad is not None)
+                    kept = meter.live_bytes - before - sent
+                    backward_weight(pending)
+                else:
+                    torch.autograd.backward(roots, grads)
+                if accumulating:
+                    rises.append(meter.peak_bytes - before)
+    return rises[0], rises[1], max(kept, 0)
 
 
 def timed(fn: Callable[[], T], device: torch.device, queued: bool = False) -> tuple[T, float]:

@@ -29,8 +29,12 @@ on that stage (:func:`~lightning_oobleck.planning.schedules.in_flight_limit`: ``
 where stage 0 holds the most; ``min(S, m)`` on every stage for ZB-H1), and the optimizer step's temporaries
 (:data:`OPTIMIZER_STEP_TEMPORARIES` times the parameter bytes; the step runs once every activation is
 freed). The activations are alive at once with a backward's own allocations: the most any layer of the
-stage allocates at once in its backward (``LayerProfile.backward_peak_bytes``: the gradients of its output,
-intermediates and input, each parameter's new gradient before it is added to the one kept).
+stage raises the bytes alive in its backward (``LayerProfile.backward_peak_bytes``: the gradients of its
+output, intermediates and input, each parameter's new gradient before it is added to the one kept; under
+ZB-H1 the split backward's, ``split_backward_peak_bytes``). Under ZB-H1 a stage also keeps what each
+``I`` keeps for its ``W`` (``weight_gradient_kept_bytes``) for the
+:func:`~lightning_oobleck.planning.schedules.pending_weight_limit` micro-batches whose ``W`` trails
+(``min(s + 1, m)`` on stage ``s``, at the moment it holds ``min(S, m)`` in flight).
 A micro-batch in flight keeps what the stage's layers save for the backward and the stage's output,
 which the executor keeps as the root of the micro-batch's backward (the last stage keeps the loss instead,
 whose saved tensors its profile counts). Templates are checked with ``m >= S`` (the worst case), so they
@@ -74,7 +78,12 @@ from numpy.typing import ArrayLike
 from lightning_oobleck.planning.cluster import ClusterSpec
 from lightning_oobleck.planning.plan import PipelineTemplate
 from lightning_oobleck.planning.profile import DTYPE_BYTES, ModelProfile
-from lightning_oobleck.planning.schedules import check_schedule_name, in_flight_limit, pipeline_times_s
+from lightning_oobleck.planning.schedules import (
+    check_schedule_name,
+    in_flight_limit,
+    pending_weight_limit,
+    pipeline_times_s,
+)
 
 
 def default_state_factor(profile: ModelProfile) -> float:
@@ -184,9 +193,12 @@ class CostModel:
         # the input each layer keeps when recomputing: the output of the layer before it
         self._inputs = prefix([0.0] + [la.output_activation_bytes for la in layers[:-1]])
         self._saved = np.asarray([la.activation_bytes for la in layers], dtype=np.float64)
-        backward_peak = np.asarray([la.backward_peak_bytes or 0 for la in layers], dtype=np.float64)
-        self._backward_peak = _range_max(backward_peak)
-        self._recomputing_peak = _range_max(self._saved + backward_peak)
+        whole = np.asarray([la.backward_peak_bytes or 0 for la in layers], dtype=np.float64)
+        split = np.asarray([la.split_backward_peak_bytes or 0 for la in layers], dtype=np.float64)
+        self._backward_peak = _range_max(whole)
+        self._split_backward_peak = _range_max(split) if self.schedule == "zb-h1" else self._backward_peak
+        self._recomputing_peak = _range_max(self._saved + whole)  # a recomputing stage does not split
+        self._weight_kept = prefix([la.weight_gradient_kept_bytes or 0 for la in layers])
         # the output a stage ending before layer j keeps per in-flight micro-batch (indexed by j)
         self._kept_output = np.concatenate(([0.0], self._outputs[:-1], [0.0]))
         self._kept_output_recomputing = np.concatenate(([0.0], self._outputs))
@@ -250,14 +262,28 @@ class CostModel:
         self, first: int, end: int, stage: int, num_stages: int, microbatches: int | None = None
     ) -> float:
         """Peak memory of stage ``stage`` of ``num_stages``; ``microbatches=None`` means ``m >= S``."""
-        in_flight = in_flight_limit(self.schedule, num_stages, stage, microbatches or num_stages)
+        m = microbatches or num_stages
+        in_flight = in_flight_limit(self.schedule, num_stages, stage, m)
         params = self.parameter_bytes(first, end)
-        held = self.held_bytes(first, end) * in_flight + self.backward_peak_bytes(first, end)
+        held = (
+            self.held_bytes(first, end) * in_flight
+            + self.weight_kept_bytes(first, end, stage)
+            * pending_weight_limit(self.schedule, num_stages, stage, m)
+            + self.backward_peak_bytes(first, end, stage)
+        )
         return float(params * self.state_factor + max(held, self.step_bytes(params)))
 
-    def backward_peak_bytes(self, first: int, end: int) -> float:
-        """The most bytes a backward of ``[first, end)`` allocates at once: its largest layer's."""
-        return float(self._backward_peak[first, end])
+    def backward_peak_bytes(self, first: int, end: int, stage: int) -> float:
+        """How far a backward of ``[first, end)`` as stage ``stage`` raises the bytes alive, run as the
+        schedule runs it (split under ZB-H1 but on the first stage, whose ``I`` has no input gradient to
+        compute and whose ``W`` runs the whole backward): its largest layer's."""
+        peaks = self._split_backward_peak if stage > 0 else self._backward_peak
+        return float(peaks[first, end])
+
+    def weight_kept_bytes(self, first: int, end: int, stage: int) -> float:
+        """What the ``I`` of ``[first, end)`` as stage ``stage`` keeps for its ``W``, per micro-batch (nothing
+        on the first stage); a stage keeps it for :func:`pending_weight_limit` micro-batches."""
+        return float(self._weight_kept[end] - self._weight_kept[first]) if stage > 0 else 0.0
 
     def held_bytes(self, first: int, end: int, recompute: bool = False) -> float:
         """Bytes one in-flight micro-batch keeps on a stage holding ``[first, end)``: every tensor its layers
@@ -412,11 +438,21 @@ class CostModel:
 
     def stage_memory_band(self, num_stages: int) -> np.ndarray:
         """:meth:`stage_memory_bytes` of every range of the band (:class:`StageChoices`) with ``m >= S``."""
-        _, first, end = self._band(num_stages)
+        stage, first, end = self._band(num_stages)
         params = self._params[end] - self._params[first]
-        held = (self._activations[end] - self._activations[first] + self._kept_output[end]) * self._in_flight(
-            num_stages
-        ) + self._backward_peak[first, end]
+        activations = self._activations[end] - self._activations[first] + self._kept_output[end]
+        kept = self._weight_kept[end] - self._weight_kept[first]
+        # the first stage's I keeps nothing and its W runs the whole backward
+        pending = [
+            pending_weight_limit(self.schedule, num_stages, s, num_stages) * (s > 0)
+            for s in range(num_stages)
+        ]
+        peaks = np.where(stage > 0, self._split_backward_peak[first, end], self._backward_peak[first, end])
+        held = (
+            activations * self._in_flight(num_stages)
+            + kept * np.asarray(pending, dtype=np.float64)[:, None, None]
+        )
+        held = held + peaks
         return params * self.state_factor + np.maximum(held, self.step_bytes(params))
 
     def _in_flight(self, num_stages: int) -> np.ndarray:

@@ -48,11 +48,16 @@ class LayerProfile:
     """At ``t > 1``: the size of each all-reduce in the layer's backward (the input gradient of every
     column-parallel product); it is on the input gradient's path (``I``), not the weights' (``W``)."""
     backward_peak_bytes: int | None = None
-    """How far the layer's backward of one micro-batch raises the bytes alive, as 1F1B runs it (whole), once
+    """How far the layer's backward of one micro-batch raises the bytes alive, run whole (1F1B's ``B``), once
     its parameters have gradients: the gradient arriving at its output, its intermediate and input gradients,
     each parameter's new gradient before it is added to the one the earlier micro-batches left, less the saved
     tensors it frees on the way. On top of every in-flight micro-batch's activations. ``None`` in synthetic
-    profiles and in those measured before the profiler measured it (counted as 0)."""
+    profiles and in those measured before the profiler measured it (counted as 0), as the two below."""
+    split_backward_peak_bytes: int | None = None
+    """The same, the backward split as ZB-H1 runs it: ``I`` (the graph kept for ``W``), then ``W``."""
+    weight_gradient_kept_bytes: int | None = None
+    """What the layer's ``I`` keeps for its ``W`` (each weight's output gradient) beyond the micro-batch's
+    activations, from one to the other: under ZB-H1 a stage keeps it for several micro-batches at once."""
 
 
 @dataclass(frozen=True)

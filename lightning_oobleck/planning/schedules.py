@@ -164,6 +164,15 @@ def in_flight_limit(schedule: str, num_stages: int, stage: int, microbatches: in
     return min(num_stages - stage, microbatches)
 
 
+def pending_weight_limit(schedule: str, num_stages: int, stage: int, microbatches: int) -> int:
+    """Micro-batches a stage holds an input gradient's leftovers for at most (``I`` done, ``W`` not: what
+    ``I`` keeps for ``W``). Under ZB-H1 each stage's ``W`` trail its ``I`` by ``stage``, so ``stage + 1`` are
+    pending right after an ``I``, at the moment :func:`in_flight_limit` is reached too; 1F1B has none."""
+    if check_schedule_name(schedule) == "zb-h1":
+        return min(stage + 1, microbatches)
+    return 0
+
+
 def pipeline_actions(
     spec: PipelineSpec,
     schedule: str,

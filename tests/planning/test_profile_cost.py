@@ -93,7 +93,7 @@ def test_a_stage_holds_its_largest_backward_peak_on_top_of_its_activations() -> 
     )
     plain, cost = CostModel(synthetic, ClusterSpec(1, 1)), CostModel(profile, ClusterSpec(1, 1))
     for first, end, largest in ((1, 3, 9000), (3, 5, 5000), (0, 1, 0), (1, 5, 9000)):
-        assert cost.backward_peak_bytes(first, end) == largest
+        assert cost.backward_peak_bytes(first, end, 0) == largest
         # the backward runs while every in-flight micro-batch's activations are alive
         assert (
             cost.stage_memory_bytes(first, end, 0, 2) == plain.stage_memory_bytes(first, end, 0, 2) + largest
@@ -105,6 +105,37 @@ def test_a_stage_holds_its_largest_backward_peak_on_top_of_its_activations() -> 
     without = CostModel(synthetic, ClusterSpec(1, 1), activation_checkpointing=True)
     band, plain_band = recomputing.recompute_memory_band(2), without.recompute_memory_band(2)
     assert band[0, 1, 3] - plain_band[0, 1, 3] == pytest.approx(expected - max(saved[1:5]))
+
+
+def test_under_zb_h1_a_stage_keeps_what_each_pending_i_kept_for_its_w() -> None:
+    synthetic = synthetic_gpt_profile(6)
+    layers = tuple(
+        replace(
+            la,
+            backward_peak_bytes=100 * k,
+            split_backward_peak_bytes=300 * k,
+            weight_gradient_kept_bytes=7 * k,
+        )
+        for k, la in enumerate(synthetic.layers, start=1)
+    )
+    profile = replace(synthetic, layers=layers)
+    plain = CostModel(synthetic, ClusterSpec(1, 1), schedule="zb-h1")
+    cost = CostModel(profile, ClusterSpec(1, 1), schedule="zb-h1")
+    stages = 3
+    for stage, (first, end) in enumerate(((0, 2), (2, 4), (4, 6))):
+        extra = cost.stage_memory_bytes(first, end, stage, stages) - plain.stage_memory_bytes(
+            first, end, stage, stages
+        )
+        if stage == 0:  # no input gradient: its I keeps nothing, its W runs the whole backward
+            assert extra == 100 * end
+        else:  # the split backward's peak, and stage + 1 micro-batches' leftovers of I
+            assert extra == 300 * end + (stage + 1) * 7 * sum(range(first + 1, end + 1))
+    band = cost.stage_memory_band(stages)
+    for stage in range(stages):
+        for first in range(stage, stage + 4):
+            for last in range(first, stage + 4):
+                at = band[stage, first - stage, last - stage]
+                assert at == pytest.approx(cost.stage_memory_bytes(first, last + 1, stage, stages))
 
 
 def test_pipeline_time_allreduce_and_tail_formulas() -> None:

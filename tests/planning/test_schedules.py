@@ -8,6 +8,7 @@ from hypothesis import strategies as st
 
 from lightning_oobleck.planning.schedules import (
     SCHEDULE_NAMES,
+    SCHEDULES,
     Action,
     Op,
     Payload,
@@ -16,6 +17,7 @@ from lightning_oobleck.planning.schedules import (
     in_flight_limit,
     iteration_time_s,
     one_f_one_b_order,
+    pending_weight_limit,
     pipeline_actions,
     pipeline_times_s,
     simulate,
@@ -115,6 +117,28 @@ def test_zb_h1_defers_stage_s_weight_gradients_to_the_end() -> None:
         tail = len(compute) - max(k for k, op in enumerate(compute) if op is Op.I) - 1
         assert tail == s + 1  # the W that follows the last I, and the s deferred ones
         assert in_flight_limit("zb-h1", 4, s, 6) == 4
+
+
+@pytest.mark.parametrize("name", SCHEDULE_NAMES)
+def test_the_memory_limits_are_what_each_stage_holds_at_once_at_most(name: str) -> None:
+    # the cost model charges both limits at once: one moment of the order reaches both
+    for stages in range(1, 8):
+        for microbatches in range(1, 18):
+            for s in range(stages):
+                forwarded, pending, held = set(), set(), []
+                for op, i in SCHEDULES[name](stages, s, microbatches):
+                    forwarded |= {i} if op is Op.F else set()
+                    pending |= {i} if op is Op.I else set()
+                    held.append((len(forwarded), len(pending)))
+                    if op in (Op.B, Op.W):
+                        forwarded.discard(i)
+                        pending.discard(i)
+                limits = (
+                    in_flight_limit(name, stages, s, microbatches),
+                    pending_weight_limit(name, stages, s, microbatches),
+                )
+                assert max(held) == limits, (stages, microbatches, s)
+                assert max(f for f, _ in held) == limits[0] and max(p for _, p in held) == limits[1]
 
 
 def broken(schedule: dict, worker: tuple[int, int], edit) -> dict:
