@@ -11,8 +11,7 @@ backward (what each in-flight micro-batch keeps alive), found with ``saved_tenso
 (:class:`SavedTensorMeter`), and how far the layer's backward raises the bytes alive (its gradients, as in
 every micro-batch but a step's first: the parameters' gradients already exist), run whole and split, and
 what the split's ``I`` keeps for its ``W``, found by counting every tensor alive (:class:`LiveTensorMeter`,
-untimed passes). Results are cached on disk under a key of
-everything that changes them.
+untimed passes). Results are cached on disk under a key of everything that changes them.
 
 At each tensor-parallel degree ``t`` asked for, every layer is split by its plan and profiled again as one
 rank of a stage of ``t`` devices (:func:`~lightning_oobleck.execution.tensor_parallel.one_rank_of`): its own
@@ -336,7 +335,7 @@ def _backward_memory(
     """How far one micro-batch's backward raises the bytes alive, run whole and split (``I`` then ``W``), and
     what the split's ``I`` keeps for its ``W``; measured once the parameters have gradients (a step's first
     micro-batch makes them; every later one makes each anew and adds it)."""
-    rises = []
+    rises, kept = [], 0
     for split_run in (False, True):
         for accumulating in (False, True):
             with LiveTensorMeter() as meter:

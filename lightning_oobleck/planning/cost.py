@@ -451,8 +451,8 @@ class CostModel:
         held = (
             activations * self._in_flight(num_stages)
             + kept * np.asarray(pending, dtype=np.float64)[:, None, None]
+            + peaks
         )
-        held = held + peaks
         return params * self.state_factor + np.maximum(held, self.step_bytes(params))
 
     def _in_flight(self, num_stages: int) -> np.ndarray:

@@ -34,7 +34,7 @@ def split_strategy(tensor_parallel: int, **options: Any) -> OobleckStrategy:
         fault_tolerance=0,
         devices_per_node=2,
         tensor_parallel=tensor_parallel,
-        planner={"cluster": {"device_memory_bytes": 60_000}},
+        planner={"cluster": {"device_memory_bytes": 75_000}},
         **options,
     )
 

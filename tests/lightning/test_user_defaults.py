@@ -94,7 +94,7 @@ def fit(
     strategy = OobleckStrategy(
         microbatch_size=2,
         fault_tolerance=fault_tolerance,
-        planner={"cluster": {"device_memory_bytes": 60_000}},  # two devices hold the model
+        planner={"cluster": {"device_memory_bytes": 75_000}},  # two devices hold the model
         layout=layout,
         recovery_policy=recovery_policy,
     )
@@ -439,7 +439,7 @@ def test_validate_and_test_equal_one_device_on_the_same_checkpoint(
     monkeypatch.chdir(tmp_path)
     fit(Regressor(), 4)
     checkpoint = tmp_path / "lightning_logs" / "version_0" / "checkpoints" / "epoch=0-step=4.ckpt"
-    strategy = OobleckStrategy(microbatch_size=2, planner={"cluster": {"device_memory_bytes": 60_000}})
+    strategy = OobleckStrategy(microbatch_size=2, planner={"cluster": {"device_memory_bytes": 75_000}})
     trainer = L.Trainer(strategy=strategy, devices=4, precision="64-true")
     assert_validate_and_test_equal_one_device(trainer, Regressor, checkpoint, tmp_path)
 
@@ -465,7 +465,7 @@ if __name__ == "__main__":
     torch.save(fit(Regressor(), 8, callbacks=kill, validation_samples=136), sys.argv[1])
     print(FIT_DONE, flush=True)
     print(FIT_DONE, file=sys.stderr, flush=True)
-    strategy = OobleckStrategy(microbatch_size=2, planner={"cluster": {"device_memory_bytes": 60_000}})
+    strategy = OobleckStrategy(microbatch_size=2, planner={"cluster": {"device_memory_bytes": 75_000}})
     trainer = L.Trainer(strategy=strategy, devices=4, precision="64-true", default_root_dir="evaluation")
     trainer.validate(Regressor(), data(seed=1, workers=0, samples=136))
     trainer.test(Regressor(), data(seed=1, workers=0, samples=136))
