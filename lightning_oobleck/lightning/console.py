@@ -149,10 +149,12 @@ def use_step_lines(trainer: pl.Trainer) -> None:
 
 
 def print_start(plan: Plan, events: Path | None, profiles: Path | None) -> None:
-    """What rank 0 prints when training starts: the plan, and where the run writes what (the events file
-    lies in the run's log directory, beside the logs and the default checkpoints)."""
+    """What rank 0 prints when training starts: the plan, what the planner warns of, and where the run writes
+    what (the events file lies in the run's log directory, beside the logs and the default checkpoints)."""
     console = Console()
     console.print(plan_table(plan))
+    for warning in plan.warnings:
+        console.print(f"oobleck: warning: {warning}", highlight=False, soft_wrap=True)
     where = [f"logs, checkpoints and recovery events in {events.parent}"] if events is not None else []
     if profiles is not None:
         where.append(f"layer profiles in {profiles}")

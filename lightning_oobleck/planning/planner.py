@@ -287,6 +287,13 @@ def _plan_at(inputs: PlannerInputs, global_batch: int, microbatch: int, started:
     templates = generate_templates(cost, sizes, {n: max(1, round(total * n / nodes)) for n in sizes})
     chosen = instantiate(templates, cost, nodes, fault_tolerance, total, inputs.exact_limit)
     warnings = []
+    profile = inputs.profile
+    if profile.device != "synthetic" and any(la.backward_peak_bytes is None for la in profile.layers):
+        warnings.append(
+            "the profile has no backward peaks (it was measured before the profiler measured them): each "
+            "stage's memory is counted without its backward's own allocations, low by up to a third on a "
+            "stage holding a model's head alone; profile the model again"
+        )
     if missing := sorted(set(range(n0, 2 * n0)) - set(sizes)):
         warnings.append(
             f"no template fits {missing} nodes (at most one GPU per layer, or the activations of a longer "

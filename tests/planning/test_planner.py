@@ -157,3 +157,16 @@ def test_schedule_auto_without_weight_gradient_times_plans_1f1b_and_says_why() -
     plan = make_plan(untimed, ClusterSpec(13, 1), fault_tolerance=2, global_batch_size=512, schedule="auto")
     assert plan.schedule == "1f1b"
     assert any("no weight-gradient times" in w for w in plan.warnings)
+
+
+def test_a_measured_profile_without_backward_peaks_is_planned_with_a_warning_to_profile_again() -> None:
+    synthetic = synthetic_gpt_profile(8)
+    old = replace(
+        synthetic, device="NVIDIA H100 80GB HBM3"
+    )  # as a profile saved before the peaks were measured
+    measured = replace(old, layers=tuple(replace(la, backward_peak_bytes=0) for la in old.layers))
+    for profile, warned in ((old, 1), (measured, 0), (synthetic, 0)):
+        plan = make_plan(profile, ClusterSpec(4, 1), fault_tolerance=1, global_batch_size=16)
+        assert (
+            sum("no backward peaks" in w and "profile the model again" in w for w in plan.warnings) == warned
+        )
