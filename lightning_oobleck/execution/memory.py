@@ -152,13 +152,16 @@ class LiveTensorMeter(TorchDispatchMode):
         """Start a new peak from the bytes alive now."""
         self.peak_bytes = self.live_bytes
 
-    def _add(self, t: Tensor) -> None:
+    def _add(self, t: Tensor) -> bool:
+        """Count ``t``'s storage if it is new; whether it was."""
         if t.device.type == "meta":
-            return
+            return False
         storage = local(t).untyped_storage()  # a split tensor (DTensor) counts by this device's shard
         known = self._storages.get(storage.data_ptr())
         if known is None or known[0].expired():  # a new storage, maybe at a freed one's address
             self._storages[storage.data_ptr()] = (StorageWeakRef(storage), storage.nbytes())
+            return True
+        return False
 
     def _sweep(self) -> None:
         freed = [address for address, (ref, _) in self._storages.items() if ref.expired()]
@@ -171,8 +174,7 @@ class LiveTensorMeter(TorchDispatchMode):
         self, func: Any, types: Any, args: tuple[Any, ...] = (), kwargs: dict[str, Any] | None = None
     ) -> Any:
         out = func(*args, **(kwargs or {}))
-        for t in pytree.tree_leaves(out):
-            if isinstance(t, Tensor):
-                self._add(t)
-        self._sweep()
+        added = [self._add(t) for t in pytree.tree_leaves(out) if isinstance(t, Tensor)]
+        if any(added):  # the bytes alive rise only here: the peak is exact sampled after these operations
+            self._sweep()
         return out

@@ -335,23 +335,23 @@ def _backward_memory(
     """How far one micro-batch's backward raises the bytes alive, run whole and split (``I`` then ``W``), and
     what the split's ``I`` keeps for its ``W``; measured once the parameters have gradients (a step's first
     micro-batch makes them; every later one makes each anew and adds it)."""
+    _, roots, _ = forward()
+    torch.autograd.backward(roots, [torch.ones_like(r) for r in roots])  # the gradients exist from here on
     rises, kept = [], 0
     for split_run in (False, True):
-        for accumulating in (False, True):
-            with LiveTensorMeter() as meter:
-                _, roots, leaves = forward()
-                before = meter.live_bytes
-                meter.reset_peak()
-                grads = [torch.ones_like(r) for r in roots]
-                if split_run:
-                    pending = backward_input(roots, grads, leaves, split, whole)
-                    sent = sum(t.grad.untyped_storage().nbytes() for t in leaves if t.grad is not None)
-                    kept = meter.live_bytes - before - sent
-                    backward_weight(pending)
-                else:
-                    torch.autograd.backward(roots, grads)
-                if accumulating:
-                    rises.append(meter.peak_bytes - before)
+        with LiveTensorMeter() as meter:
+            _, roots, leaves = forward()
+            before = meter.live_bytes
+            meter.reset_peak()
+            grads = [torch.ones_like(r) for r in roots]
+            if split_run:
+                pending = backward_input(roots, grads, leaves, split, whole)
+                sent = sum(t.grad.untyped_storage().nbytes() for t in leaves if t.grad is not None)
+                kept = meter.live_bytes - before - sent
+                backward_weight(pending)
+            else:
+                torch.autograd.backward(roots, grads)
+            rises.append(meter.peak_bytes - before)
     return rises[0], rises[1], max(kept, 0)
 
 
