@@ -57,7 +57,7 @@ from rich.table import Table
 from torch import Tensor
 
 from lightning_oobleck.execution import ProcessGroups, profile_layers
-from lightning_oobleck.execution.backward import backward_input, backward_weight, splits_backward
+from lightning_oobleck.execution.backward import backward_input, backward_weight, split_parameters
 from lightning_oobleck.execution.profiler import timed
 from lightning_oobleck.execution.stage import build_stage
 from lightning_oobleck.planning import ClusterSpec
@@ -208,11 +208,6 @@ class Workload:
             self.layers, inputs, self.device, self.dtype, loss_fn=gpt_loss, example_target=targets
         )
 
-    @property
-    def num_layers(self) -> int:
-        """The embedding, the blocks and the head (:func:`gpt_layers`)."""
-        return self.config.n_blocks + 2
-
     def cost(self, profile: ModelProfile, schedule: str = "1f1b") -> CostModel:
         """The cost model on one node of :data:`STAGES` devices of unbounded memory (the check compares
         terms; it does not ask what fits)."""
@@ -277,7 +272,9 @@ def stage_rows(work: Workload, meter: Meter, microbatch: int) -> list[Row]:
         in_flight = in_flight_limit("1f1b", STAGES, s, STEP_MICROBATCHES)
         params = cost.parameter_bytes(first, end)
         activations = cost.held_bytes(first, end)
-        measured = _stage_step(work, meter, s, first, end, microbatch, "1f1b")
+        layers = (first, end, end == profile.num_layers)
+        measured = _stage_step(work, meter, s, layers, microbatch, "1f1b")
+        zero_bubble = _stage_step(work, meter, s, layers, microbatch, "zb-h1")
         factor = cost.state_factor
         rows += [
             Row("stage", case, "parameters", params, measured["parameters"], PARAMETER_TOLERANCE),
@@ -293,24 +290,25 @@ def stage_rows(work: Workload, meter: Meter, microbatch: int) -> list[Row]:
             Row("stage", case, "peak", cost.stage_memory_bytes(first, end, s, STAGES), measured["peak"],
                 MEMORY_TOLERANCE),
             Row("stage", case, "peak under ZB-H1", zb.stage_memory_bytes(first, end, s, STAGES),
-                _stage_step(work, meter, s, first, end, microbatch, "zb-h1")["peak"], MEMORY_TOLERANCE),
+                zero_bubble["peak"], MEMORY_TOLERANCE),
         ]  # fmt: skip
     return rows
 
 
 def _stage_step(
-    work: Workload, meter: Meter, s: int, first: int, end: int, microbatch: int, schedule: str
+    work: Workload, meter: Meter, s: int, layers: tuple[int, int, bool], microbatch: int, schedule: str
 ) -> dict[str, float]:
-    """Two steps of stage ``s``, holding ``[first, end)``, in the order ``schedule`` gives it for
+    """Two steps of stage ``s``, holding ``layers = (first, end, whether the model's last layer is in)``,
+    in the order ``schedule`` gives it for
     :data:`STEP_MICROBATCHES` micro-batches (the second measured: the optimizer's state exists, as in every
     step but the first), its backwards whole or split as the executor runs them; then AdamW."""
+    first, end, last = layers
     _free(work.device)
     start = meter.allocated()
     stage = build_stage(work.layers, range(first, end), work.device, dtype=work.dtype)
     parameters = meter.allocated() - start
     optimizer = torch.optim.AdamW(stage.parameters(), lr=1e-4, foreach=True)  # the default on a GPU
-    split = [p for layer in stage.layers.values() if splits_backward(layer) for p in layer.parameters()]
-    whole = [p for layer in stage.layers.values() if not splits_backward(layer) for p in layer.parameters()]
+    split, whole = split_parameters(stage.layers.values())
     hidden = (microbatch, work.config.seq_len, work.config.d_model)
     in_flight = in_flight_limit(schedule, STAGES, s, STEP_MICROBATCHES)
     result: dict[str, float] = {"parameters": parameters}
@@ -321,7 +319,7 @@ def _stage_step(
             inputs = torch.randn(hidden, device=work.device, dtype=work.dtype, requires_grad=True)
         # the executor keeps a stage's output (the last stage's loss) until the micro-batch's backward
         out = stage(inputs)
-        return (gpt_loss(out, targets) if end == work.num_layers else out), ([inputs] if first > 0 else [])
+        return (gpt_loss(out, targets) if last else out), ([inputs] if first > 0 else [])
 
     for step in range(2):
         stage.zero_grad(set_to_none=True)

@@ -19,7 +19,7 @@ its parameters then get their gradients in ``I``, as in a whole backward.
 from __future__ import annotations
 
 from collections import defaultdict, deque
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -30,6 +30,15 @@ from torch.autograd.graph import GradientEdge, Node, get_gradient_edge
 def splits_backward(layer: nn.Module) -> bool:
     """Whether ``layer``'s parameters may get their gradients in a ``W`` after its ``I``."""
     return bool(getattr(layer, "split_backward", True))
+
+
+def split_parameters(layers: Iterable[nn.Module]) -> tuple[list[nn.Parameter], list[nn.Parameter]]:
+    """The parameters of ``layers`` whose gradients a ``W`` may compute after an ``I``, and the others."""
+    split: list[nn.Parameter] = []
+    whole: list[nn.Parameter] = []
+    for layer in layers:
+        (split if splits_backward(layer) else whole).extend(layer.parameters())
+    return split, whole
 
 
 @dataclass

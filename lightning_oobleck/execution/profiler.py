@@ -36,7 +36,7 @@ import torch.utils._pytree as pytree
 from torch import Tensor, nn
 from torch.distributed.device_mesh import DeviceMesh
 
-from lightning_oobleck.execution.backward import backward_input, backward_weight, splits_backward
+from lightning_oobleck.execution.backward import backward_input, backward_weight, split_parameters
 from lightning_oobleck.execution.memory import LiveTensorMeter, SavedTensorMeter
 from lightning_oobleck.execution.schedule import Context, LossFn
 from lightning_oobleck.execution.stage import (
@@ -280,8 +280,7 @@ def _profile_layer(
             return out, [loss(out)], leaves
         return out, [t for t in pytree.tree_leaves(out) if isinstance(t, Tensor) and t.requires_grad], leaves
 
-    params = list(layer.parameters())
-    split, whole = (params, []) if splits_backward(layer) else ([], params)
+    split, whole = split_parameters([layer])
     forward_s, input_s, weight_s = [], [], []
     for rep in range(warmup + repeat):
         with SavedTensorMeter(exclude=layer.parameters()) as meter:

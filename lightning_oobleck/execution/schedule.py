@@ -31,7 +31,7 @@ from lightning_oobleck.execution.backward import (
     WeightGradient,
     backward_input,
     backward_weight,
-    splits_backward,
+    split_parameters,
 )
 from lightning_oobleck.execution.comm import CommWaiter
 from lightning_oobleck.execution.grad_sync import GradientSync
@@ -136,11 +136,7 @@ class _Step:
         """The parameters of ``layers`` whose gradients a ``W`` may compute after an ``I``, and the others."""
         if layers not in self._params:
             module = self.ctx.module
-            split: list[nn.Parameter] = []
-            whole: list[nn.Parameter] = []
-            for i in layers:
-                layer = module.layer(i)
-                (split if splits_backward(layer) else whole).extend(layer.parameters())
+            split, whole = split_parameters(module.layer(i) for i in layers)
             if module.recompute:  # recomputation runs inside the backward: it cannot be split
                 split, whole = [], split + whole
             self._params[layers] = (split, whole)

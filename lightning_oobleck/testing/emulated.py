@@ -107,6 +107,9 @@ def emulated_profile(
         output_activation_bytes=output,
         activation_bytes=0,
         weight_grad_s=times.weight_grad_s,
+        backward_peak_bytes=0,  # emulated layers model time; their tensors are a few bytes
+        split_backward_peak_bytes=0,
+        weight_gradient_kept_bytes=0,
     )
     # the first layer's input is the data, which needs no gradient: its backward is the weight's alone
     first = replace(layer, backward_s=times.weight_grad_s)

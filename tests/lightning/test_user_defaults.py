@@ -21,6 +21,7 @@ import sys
 import threading
 import time
 from collections.abc import Callable
+from dataclasses import replace
 from pathlib import Path
 
 import lightning as L
@@ -30,7 +31,7 @@ from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_oobleck import OobleckStrategy, PipelineModule, consolidate_checkpoint
-from lightning_oobleck.execution import PeerFailure
+from lightning_oobleck.execution import PeerFailure, profile_layers
 from lightning_oobleck.lightning.callbacks import KillAt
 from lightning_oobleck.lightning.units import EVENTS_FILE, CheckpointError
 from lightning_oobleck.recovery import read_events
@@ -90,6 +91,7 @@ def fit(
     layout: list[list[int]] | None = None,
     recovery_policy: str = "reinstantiate",
     validation_samples: int = 128,
+    profile_path: Path | None = None,
 ) -> dict[str, torch.Tensor]:
     strategy = OobleckStrategy(
         microbatch_size=2,
@@ -97,6 +99,7 @@ def fit(
         planner={"cluster": {"device_memory_bytes": 75_000}},  # two devices hold the model
         layout=layout,
         recovery_policy=recovery_policy,
+        profile_path=profile_path,
     )
     trainer = L.Trainer(
         strategy=strategy, devices=devices, max_steps=steps, precision="64-true", callbacks=callbacks
@@ -416,6 +419,30 @@ def test_a_checkpoint_whose_shards_are_elsewhere_is_never_committed(
     assert not list(tmp_path.glob("ckpt-*")) and not list(tmp_path.glob(".ckpt-*"))
     assert (tmp_path / "lagging").exists()
     assert " lost at step " not in capfd.readouterr().out
+
+
+@pytest.mark.timeout(240)
+@pytest.mark.slow
+def test_a_profile_saved_before_backward_peaks_were_measured_trains_and_says_so_once(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capfd: pytest.CaptureFixture[str]
+) -> None:
+    """``profile_path`` to a profile of the model without the backward peaks (as saved by an earlier version):
+    the run trains as with a fresh profile, and rank 0 says once, under the plan, to profile again."""
+    monkeypatch.chdir(tmp_path)
+    double = lambda: [layer.double() for layer in Regressor().configure_layers()]  # noqa: E731
+    fresh = profile_layers(double, torch.zeros(2, 8, dtype=torch.float64), torch.device("cpu"))
+    empty = {
+        "backward_peak_bytes": None,
+        "split_backward_peak_bytes": None,
+        "weight_gradient_kept_bytes": None,
+    }
+    old = replace(fresh, layers=tuple(replace(layer, **empty) for layer in fresh.layers))
+    old.save(tmp_path / "old-profile.json")
+    fit(Regressor(), 4, fault_tolerance=0, profile_path=tmp_path / "old-profile.json")
+    assert (tmp_path / "lightning_logs" / "version_0" / "checkpoints" / "epoch=0-step=4.ckpt").exists()
+    out = capfd.readouterr().out
+    assert "Oobleck plan: " in out
+    assert out.count("oobleck: warning: the profile has no backward peaks") == 1, out[-3000:]
 
 
 @pytest.mark.timeout(240)
