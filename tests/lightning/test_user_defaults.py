@@ -423,26 +423,28 @@ def test_a_checkpoint_whose_shards_are_elsewhere_is_never_committed(
 
 @pytest.mark.timeout(240)
 @pytest.mark.slow
-def test_a_profile_saved_before_backward_peaks_were_measured_trains_and_says_so_once(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capfd: pytest.CaptureFixture[str]
-) -> None:
-    """``profile_path`` to a profile of the model without the backward peaks (as saved by an earlier version):
-    the run trains as with a fresh profile, and rank 0 says once, under the plan, to profile again."""
-    monkeypatch.chdir(tmp_path)
+def test_a_profile_saved_before_backward_peaks_were_measured_trains_and_says_so_once(tmp_path: Path) -> None:
+    """``profile_path`` to a profile of the model without the backward peaks (as saved by an earlier version),
+    in the user's script (the console as the user sees it, every worker's output included): the run trains,
+    and rank 0 says once, under the plan, to profile again."""
     double = lambda: [layer.double() for layer in Regressor().configure_layers()]  # noqa: E731
     fresh = profile_layers(double, torch.zeros(2, 8, dtype=torch.float64), torch.device("cpu"))
-    empty = {
-        "backward_peak_bytes": None,
-        "split_backward_peak_bytes": None,
-        "weight_gradient_kept_bytes": None,
-    }
-    old = replace(fresh, layers=tuple(replace(layer, **empty) for layer in fresh.layers))
+    fields = ("backward_peak_bytes", "split_backward_peak_bytes", "weight_gradient_kept_bytes")
+    old = replace(fresh, layers=tuple(replace(layer, **dict.fromkeys(fields)) for layer in fresh.layers))
     old.save(tmp_path / "old-profile.json")
-    fit(Regressor(), 4, fault_tolerance=0, profile_path=tmp_path / "old-profile.json")
+    script = (
+        f"import sys; sys.path.insert(0, {str(Path(__file__).parent)!r})\n"
+        "from test_user_defaults import Regressor, fit\n"
+        "fit(Regressor(), 4, fault_tolerance=0, profile_path='old-profile.json')\n"
+    )
+    run = subprocess.run(
+        [sys.executable, "-c", script], cwd=tmp_path, capture_output=True, text=True, timeout=220, check=False
+    )
+    console = run.stdout + run.stderr
+    assert run.returncode == 0, console[-3000:]
     assert (tmp_path / "lightning_logs" / "version_0" / "checkpoints" / "epoch=0-step=4.ckpt").exists()
-    out = capfd.readouterr().out
-    assert "Oobleck plan: " in out
-    assert out.count("oobleck: warning: the profile has no backward peaks") == 1, out[-3000:]
+    assert "Oobleck plan: " in console
+    assert console.count("oobleck: warning: the profile has no backward peaks") == 1, console[-3000:]
 
 
 @pytest.mark.timeout(240)
