@@ -420,6 +420,7 @@ class OobleckLauncher(Launcher):
         launch_deadline = None if self.timeout_s is None else time.monotonic() + self.timeout_s
         finish_deadline: float | None = None
         replace_at: dict[int, float] = {}
+        replaced: set[int] = set()  # a node's other workers may exit after its replacement started
         raised: dict[str, int] = {}  # the last line of an exception's traceback -> the first rank raising it
         errors: list[int] = []
         user_error: int | None = None
@@ -430,6 +431,7 @@ class OobleckLauncher(Launcher):
                 break
             for node in [n for n, at in replace_at.items() if at <= now and finish_deadline is None]:
                 del replace_at[node]
+                replaced.add(node)
                 self._replace(node, supervisor)
             running = {proc.sentinel: rank for rank, proc in self.procs.items() if rank not in exitcodes}
             waits = [*(d - now for d in deadlines), *(at - now for at in replace_at.values())]
@@ -447,8 +449,14 @@ class OobleckLauncher(Launcher):
                         user_error = first
                 if finish_deadline is None and finished:
                     finish_deadline = time.monotonic() + self.finish_grace_s
-                if self.replace_failed_after_s is not None and not finished and exitcodes[rank] != 0:
-                    replace_at.setdefault(self._node_of[rank], time.monotonic() + self.replace_failed_after_s)
+                node = self._node_of[rank]
+                if (
+                    self.replace_failed_after_s is not None
+                    and not finished
+                    and exitcodes[rank] != 0
+                    and node not in replaced
+                ):
+                    replace_at.setdefault(node, time.monotonic() + self.replace_failed_after_s)
         stuck = sorted(self.procs.keys() - exitcodes.keys())
         self._kill_all(signal.SIGKILL)
         for rank in stuck:

@@ -86,6 +86,19 @@ def all_die(raiser: int) -> None:
     os.kill(os.getpid(), signal.SIGKILL)
 
 
+def node_1_dies_one_worker_at_a_time() -> int:
+    """Node 1 (ranks 2, 3) dies worker by worker, 1 s apart; the others finish once rank 3's exit was
+    announced and a second replacement would have started."""
+    rank = int(os.environ["OOBLECK_RANK"])
+    store = _store()
+    if rank in (2, 3):
+        time.sleep(1.0 * (rank - 2))
+        os.kill(os.getpid(), signal.SIGKILL)
+    store.wait(["exited/3"])
+    time.sleep(1.0)
+    return rank
+
+
 def sleep_forever() -> None:
     time.sleep(600)
 
@@ -137,6 +150,26 @@ def test_sigkilled_worker_leaves_the_others_running(victim: int):
     assert report.lost == {victim: "killed by SIGKILL"}
     assert report.exitcodes == {r: (-signal.SIGKILL if r == victim else 0) for r in range(3)}
     assert recorder.exits[0] == (victim, -signal.SIGKILL)  # the service heard of the death first
+
+
+@pytest.mark.timeout(60)
+def test_a_node_is_replaced_once_however_late_its_other_workers_die():
+    # CI once saw two replacement nodes for one lost node: its second worker died after the first
+    # replacement had started
+    recorder = ExitRecorder()
+    launcher = OobleckLauncher(
+        4,
+        devices_per_node=2,
+        start_method="forkserver",
+        services=[recorder],
+        timeout_s=40,
+        replace_failed_after_s=0.1,
+    )
+    launcher.launch(node_1_dies_one_worker_at_a_time)
+    report = launcher.last_report
+    assert report is not None and report.lost.keys() == {2, 3}
+    assert sorted(launcher.procs) == [0, 1, 2, 3, 4, 5]  # one replacement node: ranks 4 and 5
+    assert report.finished == (0, 1, 4, 5)
 
 
 @pytest.mark.timeout(60)
