@@ -90,7 +90,11 @@ def test_tables_without_json(plan13: Path, capsys) -> None:
     assert code == 0 and "Layer copies" in out
 
 
-def test_replan_with_rerouting_moves_nothing_and_names_the_choice(plan13: Path, capsys) -> None:
+def test_replan_with_rerouting_moves_nothing_and_names_the_choice(tmp_path: Path, capsys) -> None:
+    # 96 GB: the helpers have room for the rerouted micro-batches' activations beside their own
+    code, data, _ = _run([*PLAN13, "--set", "cluster.device_memory_bytes=96e9", "--json"], capsys)
+    plan13 = tmp_path / "plan.json"
+    plan13.write_text(json.dumps(data))
     code, data, err = _run(
         ["replan", "--plan", str(plan13), "--fail", "3", "--policy", "reroute", "--json"], capsys
     )
@@ -103,6 +107,17 @@ def test_replan_with_rerouting_moves_nothing_and_names_the_choice(plan13: Path, 
     assert code == 0 and "recovered by" in out and "samples before the next failure" in out
     code, out, _ = _run(["replan", "--plan", str(plan13), "--fail", "3", "--policy", "reroute"], capsys)
     assert code == 0 and "(lost:" in out  # the damaged pipeline names its lost node and the helpers
+
+
+def test_rerouting_that_would_overfill_a_helper_is_refused_and_says_why(plan13: Path, capsys) -> None:
+    # the 48 GB plan fills its devices: a helper has no room for the rerouted micro-batches' activations
+    code, data, err = _run(
+        ["replan", "--plan", str(plan13), "--fail", "3", "--policy", "reroute", "--json"], capsys
+    )
+    assert code == 0, err
+    assert data["recovery"]["policy"] == "reinstantiate" and "lost" not in data
+    (refused,) = [c for c in data["recovery"]["candidates"] if c["policy"] == "reroute"]
+    assert "would need" in refused["infeasible"] and "of its device's 4.8e+10" in refused["infeasible"]
 
 
 @pytest.mark.parametrize(

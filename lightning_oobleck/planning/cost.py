@@ -273,10 +273,13 @@ class CostModel:
         )
         return float(params * self.state_factor + max(held, self.step_bytes(params)))
 
-    def backward_peak_bytes(self, first: int, end: int, stage: int) -> float:
+    def backward_peak_bytes(self, first: int, end: int, stage: int, recompute: bool = False) -> float:
         """How far a backward of ``[first, end)`` as stage ``stage`` raises the bytes alive, run as the
         schedule runs it (split under ZB-H1 but on the first stage, whose ``I`` has no input gradient to
-        compute and whose ``W`` runs the whole backward): its largest layer's."""
+        compute and whose ``W`` runs the whole backward; whole when ``recompute``, the layer's forward
+        recomputed first): its largest layer's."""
+        if recompute:
+            return float(self._recomputing_peak[first, end])
         peaks = self._split_backward_peak if stage > 0 else self._backward_peak
         return float(peaks[first, end])
 

@@ -32,7 +32,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from lightning_oobleck.planning.plan import Pipeline, Plan, Reroute
-from lightning_oobleck.planning.planner import PlannerInputs
+from lightning_oobleck.planning.planner import PlannerInputs, PlanningError
 from lightning_oobleck.planning.reconfigure import (
     Reconfiguration,
     ReconfigurationError,
@@ -40,6 +40,7 @@ from lightning_oobleck.planning.reconfigure import (
     copy_time_s,
 )
 from lightning_oobleck.planning.schedules import (
+    COMPUTE,
     Action,
     Op,
     PipelineSpec,
@@ -133,6 +134,14 @@ def _reroute(plan: Plan, failed: Iterable[int]) -> tuple[Plan, float]:
     )
     # the rerouted step's merge makes its routes, which refuse a route through one worker twice
     before, after = predict_step_s(plan), predict_step_s(rerouted)
+    memory = _StepMemory.of(rerouted)  # None for a plan made by hand, without a profile to weigh
+    if memory is not None:
+        worker, most = max(memory.peaks(affected(rerouted)).items(), key=lambda item: item[1])
+        if most > memory.device_bytes:
+            raise NotReroutable(
+                f"worker {worker} would need {most:.4g} bytes of its device's {memory.device_bytes:.4g} "
+                "with the lost stages' micro-batches in flight beside its own"
+            )
     step = plan.iteration_time_s * after / before if plan.iteration_time_s > 0 and before > 0 else after
     return dataclasses.replace(rerouted, iteration_time_s=step), after
 
@@ -254,17 +263,122 @@ def _merged(
     parts = []
     limits: dict[Worker, int] = {}
     starts = list(itertools.accumulate((p.microbatches for p in plan.pipelines), initial=0))
+    memory = _StepMemory.of(plan) if train and plan.reroutes else None
+    held: dict[tuple[int, Worker], float] = {}  # rerouted work waits for the helper's memory
     with _without_cyclic_gc():
         for channel, spec in enumerate(routes(plan, tensor_rank)):
             owner = bisect.bisect_right(starts, spec.microbatches[0]) - 1  # whose micro-batches go this way
             if pipelines is not None and owner not in pipelines:
                 continue
-            parts.append(pipeline_actions(spec, plan.schedule, None, train, channel))
             for s, w in enumerate(spec.workers):
                 bound = in_flight_limit(plan.schedule, len(spec.workers), s, len(spec.microbatches))
                 limits[w] = limits.get(w, 0) + bound
-        schedule, end_s = merge(parts, phase_duration(plan))
+                if memory is not None and plan.role(w.node, w.device).pipeline != owner:
+                    held[(len(parts), w)] = memory.in_flight_limit(w)
+            parts.append(pipeline_actions(spec, plan.schedule, None, train, channel))
+        schedule, end_s = merge(parts, phase_duration(plan), None, memory and memory.change, held)
     return schedule, limits, end_s
+
+
+def peak_memory_bytes(plan: Plan, pipelines: frozenset[int] | None = None) -> dict[Worker, float]:
+    """The most bytes each worker (of tensor rank 0; on the routes of ``pipelines``' micro-batches only,
+    e.g. :func:`affected`) holds in a training step of ``plan``.
+
+    The cost model's terms (:meth:`~lightning_oobleck.planning.cost.CostModel.stage_memory_bytes`), counted
+    along the worker's merged action list instead of bounded per stage: its stage's parameters and their
+    state, and the most that its in-flight micro-batches keep (each one the saved tensors of the layers it
+    ran there, then what its ``I`` keeps for its ``W``) with a backward running, or the optimizer step's
+    temporaries where those are more. A helper's rerouted micro-batches keep what the layers it runs for
+    them keep, which the per-stage bound of a plan never counted."""
+    return _StepMemory(plan).peaks(pipelines)
+
+
+class _StepMemory:
+    """The cost model's bytes of a plan's step on each worker, action by action (:func:`peak_memory_bytes`;
+    :func:`_merged` keeps rerouted work within them)."""
+
+    def __init__(self, plan: Plan) -> None:
+        inputs = PlannerInputs.from_plan(plan)
+        self.device_bytes = inputs.cluster.device_memory_bytes
+        self.cost = inputs.cost()
+        self.plan = plan
+        self.route_start = {mb: spec.workers[0] for spec in routes(plan) for mb in spec.microbatches}
+        self._effects: dict[tuple[Worker, Op, tuple[int, ...], bool], tuple[float, float]] = {}
+        self._stage: dict[Worker, tuple[bool, range]] = {}
+
+    @classmethod
+    def of(cls, plan: Plan) -> _StepMemory | None:
+        """The plan's step memory, or ``None`` for a plan without its planner inputs (made by hand)."""
+        try:
+            return cls(plan)
+        except PlanningError:
+            return None
+
+    def peaks(self, pipelines: frozenset[int] | None) -> dict[Worker, float]:
+        """:func:`peak_memory_bytes`."""
+        schedule, _, _ = _merge_routes(self.plan, 0, True, pipelines)
+        out: dict[Worker, float] = {}
+        for worker, actions in schedule.items():
+            alive = peak = 0.0
+            for a in actions:
+                if a.op in COMPUTE:
+                    change, rise = self.effect(worker, a)
+                    peak = max(peak, alive + rise)
+                    alive += change
+            state, step = self.state_bytes(worker)
+            out[worker] = state + max(peak, step)
+        return out
+
+    def _role(self, worker: Worker) -> tuple[bool, range]:
+        """Whether the worker's stage recomputes its activations, and its layers."""
+        if worker not in self._stage:
+            role = self.plan.role(worker.node, worker.device)
+            stage = self.plan.pipelines[role.pipeline].stages[role.stage]
+            self._stage[worker] = (stage.recompute, role.layers)
+        return self._stage[worker]
+
+    def effect(self, worker: Worker, action: Action) -> tuple[float, float]:
+        """How many bytes more ``worker`` holds after the compute ``action``, and how far above what it held
+        before them the bytes rise while it runs."""
+        # a route's first stage and a recomputing one run the whole backward (the first's in its W, with
+        # nothing kept between: counted at its I)
+        whole = self._role(worker)[0] or self.route_start[action.microbatch] == worker
+        key = (worker, action.op, action.layers, whole)
+        if key not in self._effects:
+            self._effects[key] = self._effect(worker, action.op, action.layers, whole)
+        return self._effects[key]
+
+    def _effect(self, worker: Worker, op: Op, layers: tuple[int, ...], whole: bool) -> tuple[float, float]:
+        cost, recompute = self.cost, self._role(worker)[0]
+        start, end = layers[0], layers[-1] + 1
+        held = cost.held_bytes(start, end, recompute)
+        kept = cost.weight_kept_bytes(start, end, 1)
+        split_peak = cost.backward_peak_bytes(start, end, 1)
+        if op is Op.F:
+            return held, held
+        if op is Op.B or (op is Op.I and whole):
+            return -held, cost.backward_peak_bytes(start, end, 0, recompute)
+        if op is Op.I:
+            return kept - held, split_peak
+        return (0.0, 0.0) if whole else (-kept, split_peak)
+
+    def change(self, worker: Worker, action: Action) -> float:
+        """:meth:`effect`'s first half: what :func:`~lightning_oobleck.planning.schedules.merge` counts."""
+        return self.effect(worker, action)[0]
+
+    def state_bytes(self, worker: Worker) -> tuple[float, float]:
+        """The worker's parameters with their gradients and optimizer state, and its optimizer step's
+        temporaries."""
+        layers = self._role(worker)[1]
+        params = self.cost.parameter_bytes(layers.start, layers.stop)
+        return params * self.cost.state_factor, float(self.cost.step_bytes(params))
+
+    def in_flight_limit(self, worker: Worker) -> float:
+        """The most the worker's in-flight micro-batches may hold, a backward's rise through any of its layers
+        beside them, on a device of the plan's cluster."""
+        recompute, layers = self._role(worker)
+        rise = self.cost.backward_peak_bytes(layers.start, layers.stop, 0, recompute)
+        return self.device_bytes - self.state_bytes(worker)[0] - rise
 
 
 @contextlib.contextmanager

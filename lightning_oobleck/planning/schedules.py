@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import heapq
 import itertools
+import math
 from collections import defaultdict
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
@@ -442,6 +443,8 @@ def merge(
     parts: Sequence[Mapping[Worker, Sequence[Action]]],
     duration: Callable[[Worker, Action], float] | None = None,
     transfer: Callable[[Worker, Worker, Action], float] | None = None,
+    memory: Callable[[Worker, Action], float] | None = None,
+    limits: Mapping[tuple[int, Worker], float] | None = None,
 ) -> tuple[Schedule, float]:
     """One list per worker from several schedules that share workers (the routes of a rerouted step, each on
     its own channel), each part's lists keeping their order, without their ``REDUCE`` (the caller ends each
@@ -456,6 +459,11 @@ def merge(
     would need a receive waiting for a send that comes later in this order). Work rerouted to a worker thus
     lands where its own lists would wait: in their bubbles. Each worker's first startable action waits in
     a heap, re-offered only when the worker or a message to it moves: ``O(actions log workers)``.
+
+    ``memory(worker, action)``: how many bytes more the worker holds after the action (fewer: negative);
+    ``limits[(k, worker)]``: the most it may hold after an action of part ``k`` that adds some, which waits
+    until the worker's parts without a limit free enough, or are done (a part that cannot fit then goes on:
+    the caller measures the result). Those never wait, so the wait ends.
     """
     # Workers by index (their order of first appearance, the last tie-break), each's parts as units.
     index: dict[Worker, int] = {}
@@ -464,9 +472,16 @@ def merge(
             index.setdefault(worker, len(index))
     workers = list(index)
     units: list[list[list[_Unit]]] = [[] for _ in workers]
-    for part in parts:
+    limit: list[list[float]] = [[] for _ in workers]  # of each worker's parts, in its own order
+    for k, part in enumerate(parts):
         for worker, actions in part.items():
             units[index[worker]].append(_units(worker, actions, index))
+            limit[index[worker]].append(math.inf if limits is None else limits.get((k, worker), math.inf))
+    held = [0.0] * len(workers)
+    unlimited_left = [
+        sum(len(us) for us, most in zip(units[w], limit[w], strict=True) if most == math.inf)
+        for w in range(len(workers))
+    ]
     position = [[0] * len(ps) for ps in units]
     merged: list[list[Action]] = [[] for _ in workers]
     clock = [0.0] * len(workers)
@@ -484,6 +499,10 @@ def merge(
             if at[k] >= len(chunk_list):
                 continue
             unit = chunk_list[at[k]]
+            if memory is not None and limit[w][k] < math.inf and unlimited_left[w]:
+                more = memory(workers[w], unit.compute)
+                if more > 0 and held[w] + more > limit[w][k]:
+                    continue
             start = now
             for key in unit.receives:
                 arrival = arrivals.get(key)
@@ -509,6 +528,9 @@ def merge(
         worker = workers[w]
         end = start + (duration(worker, unit.compute) if duration is not None else 0.0)
         clock[w] = end
+        if memory is not None:
+            held[w] += memory(worker, unit.compute)
+            unlimited_left[w] -= limit[w][k] == math.inf
         merged[w] += unit.actions
         offer(w)
         for peer, key, send in unit.sends:

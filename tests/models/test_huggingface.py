@@ -173,17 +173,17 @@ def test_recovers_from_a_sigkill_to_the_weights_of_the_unmodified_model(
 def test_reroutes_a_lost_embedding_to_the_weights_of_the_unmodified_model(
     reference: tuple, tmp_path: Path
 ) -> None:
-    """``recovery_policy="reroute"`` on the two 2-stage pipelines above: rank 0 (the embedding; GPT-2's tie
-    in its canonical layer) is SIGKILLed at step 2 and its pipeline's micro-batches take the other
-    pipeline's first stage (rank 2) and their own last stage (rank 1). Nothing is copied, and the weights are
-    the unmodified model's."""
+    """``recovery_policy="reroute"`` on two 2-stage pipelines, as above but on devices with room for the
+    rerouted micro-batches (at the memory cap above, the helper would overfill and the recovery
+    re-instantiates instead): rank 0 (the embedding; GPT-2's tie in its canonical layer) is SIGKILLed at
+    step 2 and its pipeline's micro-batches take the other pipeline's first stage (rank 2) and their own last
+    stage (rank 1). Nothing is copied, and the weights are the unmodified model's."""
     name, expected = reference
     weights = fit(
         name,
         tmp_path,
         [KillAt(0, 2)],
-        fault_tolerance=1,
-        planner={"cluster": {"device_memory_bytes": {"gpt2": 8e6, "llama": 6e6}[name]}},
+        layout=[[0, 3, 6], [0, 3, 6]],
         recovery_policy="reroute",
         collective_timeout_s=20,
         heartbeat_timeout_s=8.0,

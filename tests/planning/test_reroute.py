@@ -10,6 +10,7 @@ import math
 import pytest
 
 from lightning_oobleck.planning import ClusterSpec, Plan, ReconfigurationError, make_plan
+from lightning_oobleck.planning.planner import PlannerInputs
 from lightning_oobleck.planning.profile import LayerProfile, ModelProfile
 from lightning_oobleck.planning.reconfigure import after_failures
 from lightning_oobleck.planning.reroute import (
@@ -19,6 +20,7 @@ from lightning_oobleck.planning.reroute import (
     affected,
     choose_recovery,
     expected_failure_interval_s,
+    peak_memory_bytes,
     phase_duration,
     predict_staggered_step_s,
     predict_step_s,
@@ -254,3 +256,60 @@ def test_compute_actions_only_run_held_layers() -> None:
     for worker, actions in schedule.items():
         held = set(rerouted.role(*worker).layers)
         assert all(set(a.layers) <= held for a in actions if a.op in COMPUTE)
+
+
+def with_backward_memory(nodes: int, per_device: int, schedule: str) -> Plan:
+    """:func:`planned`'s model with activations that matter: each layer saves 400 bytes, its backward rises
+    300 (200 split), its ``I`` keeps 150 for its ``W``."""
+    layer = LayerProfile(
+        1e-3,
+        2e-3,
+        1000,
+        100,
+        400,
+        weight_grad_s=1e-3,
+        backward_peak_bytes=300,
+        split_backward_peak_bytes=200,
+        weight_gradient_kept_bytes=150,
+    )
+    return make_plan(
+        ModelProfile((layer,) * 8, microbatch_size=1),
+        ClusterSpec(num_nodes=nodes, gpus_per_node=1, device_memory_bytes=per_device * 20_000 / 3),
+        fault_tolerance=1,
+        global_batch_size=4 * nodes,
+        schedule=schedule,
+    )
+
+
+@pytest.mark.parametrize("schedule", ["1f1b", "zb-h1"])
+def test_a_steps_memory_counted_along_the_lists_stays_within_the_cost_models_bound(schedule: str) -> None:
+    # 1F1B reaches each stage's bound; ZB-H1's last stage holds one micro-batch at a time, below its bound
+    for nodes, per_device in ((9, 4), (12, 4), (8, 3)):
+        plan = with_backward_memory(nodes, per_device, schedule)
+        cost = PlannerInputs.from_plan(plan).cost()
+        peaks = peak_memory_bytes(plan)
+        for p in plan.pipelines:
+            for si, stage in enumerate(p.stages):
+                bound = cost.stage_memory_bytes(
+                    stage.first_layer, stage.end_layer, si, len(p.stages), p.microbatches
+                )
+                peak = peaks[p.workers_of_stage(si)[0]]
+                assert peak == bound if schedule == "1f1b" else peak <= bound
+
+
+def test_rerouting_never_overfills_a_helper_it_falls_back_to_reinstantiation() -> None:
+    plan = with_backward_memory(8, 3, "1f1b")  # 4 pipelines of 2 stages, their devices nearly full
+    cap = PlannerInputs.from_plan(plan).cluster.device_memory_bytes
+    refused = []
+    for node in plan.nodes:
+        try:
+            rerouted = reroute(plan, [node])
+        except NotReroutable as e:
+            assert "would need" in str(e) and f"of its device's {cap:.4g}" in str(e)
+            refused.append(node)
+            continue
+        assert max(peak_memory_bytes(rerouted).values()) <= cap
+    assert 0 < len(refused) < len(plan.nodes)
+    choice = choose_recovery(plan, [refused[0]], "reroute")
+    assert choice.policy == "reinstantiate"
+    assert "would need" in next(c.infeasible for c in choice.candidates if c.policy == "reroute")

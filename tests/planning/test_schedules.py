@@ -16,6 +16,7 @@ from lightning_oobleck.planning.schedules import (
     ScheduleError,
     in_flight_limit,
     iteration_time_s,
+    merge,
     one_f_one_b_order,
     pending_weight_limit,
     pipeline_actions,
@@ -23,6 +24,7 @@ from lightning_oobleck.planning.schedules import (
     simulate,
     validate,
 )
+from lightning_oobleck.worker import Worker
 
 
 def spec(stages: int, microbatches: int, first_microbatch: int = 0) -> PipelineSpec:
@@ -230,3 +232,29 @@ def test_a_deadlock_is_named_by_the_blocked_actions() -> None:
     }
     with pytest.raises(ScheduleError, match=r"deadlock: worker \(0, 0\) at action 0 RECV"):
         simulate(schedule)
+
+
+def test_a_merge_holds_back_a_parts_forwards_until_the_worker_has_room() -> None:
+    """Worker (0, 0) runs its own 2-stage pipeline and another part's micro-batch (10 bytes held per
+    forward until its backward). In the bubble while it waits for its first gradient, the other part's
+    forward would bring it to 30 bytes; with that part's limit of 20, it waits for a backward to free room
+    and the merged lists still pass the validator."""
+    w, v = Worker(0, 0), Worker(1, 0)
+    own = pipeline_actions(PipelineSpec((w, v), ((0,), (1,)), (0, 1)), "1f1b", None, True, 0)
+    other = pipeline_actions(PipelineSpec((w,), ((0, 1),), (2,)), "1f1b", None, True, 1)
+
+    def change(worker: Worker, action: Action) -> float:
+        return {Op.F: 10.0, Op.B: -10.0}[action.op]
+
+    def most_held(schedule: dict) -> float:
+        held = peak = 0.0
+        for a in schedule[w]:
+            if a.op in (Op.F, Op.B):
+                held += change(w, a)
+                peak = max(peak, held)
+        return peak
+
+    free, _ = merge([own, other], unit_times)
+    limited, _ = merge([own, other], unit_times, None, change, {(1, w): 20.0})
+    assert most_held(free) == 30.0 and most_held(limited) == 20.0
+    validate(limited, {w: 3, v: 1}, {w: 0, v: 0})
