@@ -47,6 +47,7 @@ from lightning_oobleck.planning.schedules import (
     Schedule,
     in_flight_limit,
     merge,
+    pending_weight_limit,
     pipeline_actions,
     pipeline_times_s,
     reduce_actions,
@@ -264,7 +265,7 @@ def _merged(
     limits: dict[Worker, int] = {}
     starts = list(itertools.accumulate((p.microbatches for p in plan.pipelines), initial=0))
     memory = _StepMemory.of(plan) if train and plan.reroutes else None
-    held: dict[tuple[int, Worker], float] = {}  # rerouted work waits for the helper's memory
+    room: dict[tuple[int, Worker], float] = {}  # what a helper's own micro-batches leave to rerouted ones
     with _without_cyclic_gc():
         for channel, spec in enumerate(routes(plan, tensor_rank)):
             owner = bisect.bisect_right(starts, spec.microbatches[0]) - 1  # whose micro-batches go this way
@@ -274,9 +275,9 @@ def _merged(
                 bound = in_flight_limit(plan.schedule, len(spec.workers), s, len(spec.microbatches))
                 limits[w] = limits.get(w, 0) + bound
                 if memory is not None and plan.role(w.node, w.device).pipeline != owner:
-                    held[(len(parts), w)] = memory.in_flight_limit(w)
+                    room[(len(parts), w)] = memory.activation_room(w) - memory.own_bytes(w)
             parts.append(pipeline_actions(spec, plan.schedule, None, train, channel))
-        schedule, end_s = merge(parts, phase_duration(plan), None, memory and memory.change, held)
+        schedule, end_s = merge(parts, phase_duration(plan), None, memory and memory.change, room)
     return schedule, limits, end_s
 
 
@@ -373,7 +374,19 @@ class _StepMemory:
         params = self.cost.parameter_bytes(layers.start, layers.stop)
         return params * self.cost.state_factor, float(self.cost.step_bytes(params))
 
-    def in_flight_limit(self, worker: Worker) -> float:
+    def own_bytes(self, worker: Worker) -> float:
+        """The most its own pipeline's in-flight micro-batches keep on ``worker``: its stage's bound."""
+        recompute, layers = self._role(worker)
+        role = self.plan.role(worker.node, worker.device)
+        pipeline = self.plan.pipelines[role.pipeline]
+        depth, m, schedule = len(pipeline.stages), pipeline.microbatches, self.plan.schedule
+        held = self.cost.held_bytes(layers.start, layers.stop, recompute)
+        kept = 0.0 if recompute else self.cost.weight_kept_bytes(layers.start, layers.stop, role.stage)
+        return held * in_flight_limit(schedule, depth, role.stage, m) + kept * pending_weight_limit(
+            schedule, depth, role.stage, m
+        )
+
+    def activation_room(self, worker: Worker) -> float:
         """The most the worker's in-flight micro-batches may hold, a backward's rise through any of its layers
         beside them, on a device of the plan's cluster."""
         recompute, layers = self._role(worker)

@@ -461,9 +461,9 @@ def merge(
     a heap, re-offered only when the worker or a message to it moves: ``O(actions log workers)``.
 
     ``memory(worker, action)``: how many bytes more the worker holds after the action (fewer: negative);
-    ``limits[(k, worker)]``: the most it may hold after an action of part ``k`` that adds some, which waits
-    until the worker's parts without a limit free enough, or are done (a part that cannot fit then goes on:
-    the caller measures the result). Those never wait, so the wait ends.
+    ``limits[(k, worker)]``: the most the worker's parts with a limit may hold together after an action of
+    part ``k`` that adds some: the action waits while they hold too much, until the worker's parts without
+    a limit are done (then it goes on: the caller measures the result). Those never wait, so the wait ends.
     """
     # Workers by index (their order of first appearance, the last tie-break), each's parts as units.
     index: dict[Worker, int] = {}
@@ -528,9 +528,10 @@ def merge(
         worker = workers[w]
         end = start + (duration(worker, unit.compute) if duration is not None else 0.0)
         clock[w] = end
-        if memory is not None:
+        if limit[w][k] == math.inf:
+            unlimited_left[w] -= 1
+        elif memory is not None:
             held[w] += memory(worker, unit.compute)
-            unlimited_left[w] -= limit[w][k] == math.inf
         merged[w] += unit.actions
         offer(w)
         for peer, key, send in unit.sends:

@@ -92,11 +92,12 @@ def fit(
     recovery_policy: str = "reinstantiate",
     validation_samples: int = 128,
     profile_path: Path | None = None,
+    device_memory_bytes: int = 75_000,  # two devices hold the model
 ) -> dict[str, torch.Tensor]:
     strategy = OobleckStrategy(
         microbatch_size=2,
         fault_tolerance=fault_tolerance,
-        planner={"cluster": {"device_memory_bytes": 75_000}},  # two devices hold the model
+        planner={"cluster": {"device_memory_bytes": device_memory_bytes}},
         layout=layout,
         recovery_policy=recovery_policy,
         profile_path=profile_path,
@@ -248,6 +249,33 @@ def test_rerouting_at_the_defaults_trains_on_and_checkpoints_every_layer(
     assert all((checkpoint / "shards" / shard / ".metadata").exists() for shard in index.values())
     resumed = fit(Regressor(), 8, devices=2, fault_tolerance=0, ckpt_path=checkpoint)
     assert_same_weights(resumed, uninterrupted)
+
+
+@pytest.mark.timeout(240)
+@pytest.mark.slow
+def test_rerouting_without_room_on_the_helper_reinstantiates_and_says_why(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, uninterrupted: dict[str, torch.Tensor]
+) -> None:
+    """Three pipelines of two stages on devices just large enough for them (66 kB; the stages need 65 kB).
+    Rank 1 (pipeline 0's last stage) is SIGKILLed at step 3: its micro-batches would take both other
+    pipelines' last stages, and rank 0 would keep a warm-up of each route in flight, more than its device
+    holds. The recovery re-instantiates instead, and its event names the worker that would overfill.
+    Training ends with the uninterrupted run's weights."""
+    monkeypatch.chdir(tmp_path)
+    weights = fit(
+        Regressor(),
+        8,
+        devices=6,
+        callbacks=[KillAt(1, 3)],
+        recovery_policy="reroute",
+        device_memory_bytes=66_000,
+    )
+    [events] = tmp_path.glob(f"lightning_logs/version_0/{EVENTS_FILE}")
+    _, [recovery] = read_events(events)
+    assert (recovery.removed, recovery.recovery_policy) == ([[1, 0]], "reinstantiate")
+    [refused] = [c for c in recovery.candidates if c.startswith("reroute")]
+    assert "worker (0, 0) would need" in refused and "of its device's 6.6e+04" in refused
+    assert_same_weights(weights, uninterrupted)
 
 
 class Stranger(threading.Thread):
