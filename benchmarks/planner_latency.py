@@ -58,8 +58,11 @@ REROUTING_JOB = {
     "fault_tolerance": 2,
     "global_batch": 1024,
     "microbatch": 1,
+    "cluster.device_memory_bytes": 141e9,
 }
-"""The job of ``oobleck simulate``'s example (docs/planning.md), as ``oobleck plan`` configures it."""
+"""The job of ``oobleck simulate``'s example (docs/planning.md), as ``oobleck plan`` configures it, on
+devices of 141 GB (an H200's): at the example's 48 GB the helpers have no room for rerouted micro-batches,
+and the recovery re-instantiates."""
 MODELS = {24: (1024, 2048), 32: (2560, 2048), 64: (2560, 1024), 96: (2560, 1024)}
 """(hidden, sequence length) per layer count: GPT-3 Medium, GPT-3 2.7B, and deeper 2.7B-wide models."""
 A40 = {"device_memory_bytes": 48e9, "intra_node_bandwidth": 100e9, "inter_node_bandwidth": 25e9}
@@ -182,6 +185,8 @@ def rerouting_table() -> Table:
         "choose_recovery, policy reroute (both ways predicted)",
         lambda: choose_recovery(plan, failed, "reroute"),
     )
+    if choice.policy != "reroute":
+        raise SystemExit(f"the recovery did not reroute: {'; '.join(map(str, choice.candidates))}")
     rerouted = choice.reconfiguration.plan
     touched = affected(rerouted)
     worker = rerouted.pipelines[1].workers_of_stage(1)[0]
@@ -229,7 +234,10 @@ def scale_choice_table() -> Table:
     for column in ("way", "step (s)", "copy (s)", "samples in 3600 s"):
         table.add_column(column, justify="left" if column == "way" else "right")
     for c in choice.candidates:
-        table.add_row(c.policy, f"{c.step_s:.3f}", f"{c.transition_s:.2f}", f"{c.samples:.4g}")
+        if c.infeasible:
+            table.add_row(c.policy, "impossible", "", c.infeasible)
+        else:
+            table.add_row(c.policy, f"{c.step_s:.3f}", f"{c.transition_s:.2f}", f"{c.samples:.4g}")
     return table
 
 
