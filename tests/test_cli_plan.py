@@ -13,6 +13,7 @@ import pytest
 
 from lightning_oobleck.cli import main
 from lightning_oobleck.planning import synthetic_gpt_profile
+from lightning_oobleck.planning.planner import PlannerInputs
 
 PLAN13 = ["plan", "--layers", "24", "--nodes", "13", "--gpus-per-node", "1", "--fault-tolerance", "2"]
 PLAN13 += ["--global-batch", "512", "--microbatch", "4"]
@@ -90,11 +91,7 @@ def test_tables_without_json(plan13: Path, capsys) -> None:
     assert code == 0 and "Layer copies" in out
 
 
-def test_replan_with_rerouting_moves_nothing_and_names_the_choice(tmp_path: Path, capsys) -> None:
-    # 96 GB: the helpers have room for the rerouted micro-batches' activations beside their own
-    code, data, _ = _run([*PLAN13, "--set", "cluster.device_memory_bytes=96e9", "--json"], capsys)
-    plan13 = tmp_path / "plan.json"
-    plan13.write_text(json.dumps(data))
+def test_replan_with_rerouting_moves_nothing_and_names_the_choice(plan13: Path, capsys) -> None:
     code, data, err = _run(
         ["replan", "--plan", str(plan13), "--fail", "3", "--policy", "reroute", "--json"], capsys
     )
@@ -109,15 +106,39 @@ def test_replan_with_rerouting_moves_nothing_and_names_the_choice(tmp_path: Path
     assert code == 0 and "(lost:" in out  # the damaged pipeline names its lost node and the helpers
 
 
-def test_rerouting_that_would_overfill_a_helper_is_refused_and_says_why(plan13: Path, capsys) -> None:
-    # the 48 GB plan fills its devices: a helper has no room for the rerouted micro-batches' activations
-    code, data, err = _run(
-        ["replan", "--plan", str(plan13), "--fail", "3", "--policy", "reroute", "--json"], capsys
-    )
+def test_rerouting_that_would_overfill_a_device_is_refused_and_says_why(
+    tmp_path: Path, capsys, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A measured profile of uneven layers on 7 nodes of 20 kB: losing node 2, pipeline 0's micro-batches
+    would cross pipeline 1's stages, and pipeline 0's first stage (node 0) would warm up for the longer
+    route, more than its device holds: the replan re-instantiates and says why."""
+    monkeypatch.syspath_prepend(Path(__file__).parent / "planning")
+    from test_reroute import uneven_and_full
+
+    profile = tmp_path / "profile.json"
+    PlannerInputs.from_plan(uneven_and_full()).profile.save(profile)
+    plan = [
+        "plan",
+        "--profile",
+        str(profile),
+        "--nodes",
+        "7",
+        "--gpus-per-node",
+        "1",
+        "--fault-tolerance",
+        "1",
+    ]
+    plan += ["--global-batch", "28", "--microbatch", "1", "--set", "cluster.device_memory_bytes=20000"]
+    code, data, err = _run([*plan, "--json"], capsys)
+    assert code == 0, err
+    (tmp_path / "plan.json").write_text(json.dumps(data))
+    replan = ["replan", "--plan", str(tmp_path / "plan.json"), "--fail", "2", "--policy", "reroute", "--json"]
+    code, data, err = _run(replan, capsys)
     assert code == 0, err
     assert data["recovery"]["policy"] == "reinstantiate" and "lost" not in data
     (refused,) = [c for c in data["recovery"]["candidates"] if c["policy"] == "reroute"]
-    assert "would need" in refused["infeasible"] and "of its device's 4.8e+10" in refused["infeasible"]
+    assert refused["infeasible"].startswith("worker (0, 0) would need")
+    assert "of its device's 2e+04" in refused["infeasible"]
 
 
 @pytest.mark.parametrize(

@@ -91,9 +91,25 @@ def reroute(plan: Plan, failed: Iterable[int]) -> Plan:
     return _reroute(plan, failed)[0]
 
 
+class _NoRoom(NotReroutable):
+    """A worker of the rerouted step would need more memory than its device has."""
+
+
 def _reroute(plan: Plan, failed: Iterable[int]) -> tuple[Plan, float]:
     """:func:`reroute`'s plan and its :func:`predict_step_s` (the simulation is the cost at scale: once)."""
     failed = tuple(failed)
+    try:
+        return _reroute_over(plan, failed, spread=True)
+    except _NoRoom as spread_error:
+        try:
+            return _reroute_over(plan, failed, spread=False)
+        except NotReroutable:
+            raise spread_error from None
+
+
+def _reroute_over(plan: Plan, failed: tuple[int, ...], spread: bool) -> tuple[Plan, float]:
+    """:func:`_reroute` with each lost stage's micro-batches spread over its helpers, or all on the first
+    (one route: a damaged pipeline's surviving stages warm up once, not once per helper)."""
     lost = frozenset(plan.lost) | frozenset(failed)
     unknown = sorted(set(failed) - {n for p in plan.pipelines for n in p.nodes})
     if unknown:
@@ -107,7 +123,7 @@ def _reroute(plan: Plan, failed: Iterable[int]) -> tuple[Plan, float]:
             # per micro-batch: each helper takes at least one
             order = [(pi + k) % count for k in range(1, count)]
             helpers = tuple(q for q in order if _intact_over(plan.pipelines[q], layers, lost))
-            helpers = helpers[: p.microbatches]
+            helpers = helpers[: p.microbatches if spread else 1]
             if not helpers:
                 raise NotReroutable(
                     f"no other pipeline holds layers {layers.start}..{layers.stop - 1} on live nodes after "
@@ -139,7 +155,7 @@ def _reroute(plan: Plan, failed: Iterable[int]) -> tuple[Plan, float]:
     if memory is not None:
         worker, most = max(memory.peaks(affected(rerouted)).items(), key=lambda item: item[1])
         if most > memory.device_bytes:
-            raise NotReroutable(
+            raise _NoRoom(
                 f"worker {worker} would need {most:.4g} bytes of its device's {memory.device_bytes:.4g} "
                 "with the lost stages' micro-batches in flight beside its own"
             )

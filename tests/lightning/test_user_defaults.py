@@ -34,6 +34,8 @@ from lightning_oobleck import OobleckStrategy, PipelineModule, consolidate_check
 from lightning_oobleck.execution import PeerFailure, profile_layers
 from lightning_oobleck.lightning.callbacks import KillAt
 from lightning_oobleck.lightning.units import EVENTS_FILE, CheckpointError
+from lightning_oobleck.planning import ClusterSpec, make_plan, reroute
+from lightning_oobleck.planning.profile import ModelProfile
 from lightning_oobleck.recovery import read_events
 from lightning_oobleck.recovery.startup import PlanFailure
 from lightning_oobleck.testing import FAULTS_ENV, Fault, FaultPoint
@@ -253,14 +255,14 @@ def test_rerouting_at_the_defaults_trains_on_and_checkpoints_every_layer(
 
 @pytest.mark.timeout(240)
 @pytest.mark.slow
-def test_rerouting_without_room_on_the_helper_reinstantiates_and_says_why(
+def test_rerouting_on_full_devices_waits_for_room_and_trains_the_same_weights(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, uninterrupted: dict[str, torch.Tensor]
 ) -> None:
     """Three pipelines of two stages on devices just large enough for them (66 kB; the stages need 65 kB).
-    Rank 1 (pipeline 0's last stage) is SIGKILLed at step 3: its micro-batches would take both other
-    pipelines' last stages, and rank 0 would keep a warm-up of each route in flight, more than its device
-    holds. The recovery re-instantiates instead, and its event names the worker that would overfill.
-    Training ends with the uninterrupted run's weights."""
+    Rank 1 (pipeline 0's last stage) is SIGKILLed at step 3. Spread over both other pipelines, its
+    micro-batches would make rank 0 warm up once per helper, more than its device holds, so they all take
+    one helper, whose rerouted forwards wait for room beside its own micro-batches: a slower step, nothing
+    copied, and the uninterrupted run's weights."""
     monkeypatch.chdir(tmp_path)
     weights = fit(
         Regressor(),
@@ -271,11 +273,18 @@ def test_rerouting_without_room_on_the_helper_reinstantiates_and_says_why(
         device_memory_bytes=66_000,
     )
     [events] = tmp_path.glob(f"lightning_logs/version_0/{EVENTS_FILE}")
-    _, [recovery] = read_events(events)
-    assert (recovery.removed, recovery.recovery_policy) == ([[1, 0]], "reinstantiate")
-    [refused] = [c for c in recovery.candidates if c.startswith("reroute")]
-    assert "worker (0, 0) would need" in refused and "of its device's 6.6e+04" in refused
+    steps, [recovery] = read_events(events)
+    assert (recovery.removed, recovery.recovery_policy, recovery.copied_bytes) == ([[1, 0]], "reroute", 0)
+    assert [s["generation"] for s in steps][-5:] == [recovery.generation] * 5, "steps 4-8 ran rerouted"
     assert_same_weights(weights, uninterrupted)
+    # the run took the rerouting its profile plans: all on one helper
+    profile = ModelProfile.load(
+        tmp_path / "lightning_logs/version_0/checkpoints/epoch=0-step=8.ckpt/profile.json"
+    )
+    cluster = ClusterSpec(num_nodes=6, gpus_per_node=1, device_memory_bytes=66_000)
+    rerouted = reroute(make_plan(profile, cluster, fault_tolerance=1, global_batch_size=16), [1])
+    assert recovery.predicted_step_s == rerouted.iteration_time_s
+    assert [r.helpers for r in rerouted.reroutes] == [(1,)]
 
 
 class Stranger(threading.Thread):

@@ -297,19 +297,63 @@ def test_a_steps_memory_counted_along_the_lists_stays_within_the_cost_models_bou
                 assert peak == bound if schedule == "1f1b" else peak <= bound
 
 
-def test_rerouting_never_overfills_a_helper_it_falls_back_to_reinstantiation() -> None:
-    plan = with_backward_memory(8, 3, "1f1b")  # 4 pipelines of 2 stages, their devices nearly full
-    cap = PlannerInputs.from_plan(plan).cluster.device_memory_bytes
+def uneven_and_full() -> Plan:
+    """7 nodes, 8 layers of uneven activations and parameters: a pipeline of 4 stages and one of 3, their
+    devices nearly full."""
+    saved = (1600, 400, 400, 100, 1600, 400, 1600, 100)
+    params = (500, 2000, 2000, 500, 500, 500, 500, 1000)
+    layers = tuple(
+        LayerProfile(
+            1e-3,
+            2e-3,
+            p,
+            100,
+            a,
+            weight_grad_s=1e-3,
+            backward_peak_bytes=a // 2,
+            split_backward_peak_bytes=a // 3,
+            weight_gradient_kept_bytes=a // 8,
+        )
+        for a, p in zip(saved, params, strict=True)
+    )
+    return make_plan(
+        ModelProfile(layers, microbatch_size=1),
+        ClusterSpec(num_nodes=7, gpus_per_node=1, device_memory_bytes=20_000),
+        fault_tolerance=1,
+        global_batch_size=28,
+    )
+
+
+def test_rerouting_never_overfills_a_device_it_falls_back_to_reinstantiation() -> None:
+    """Every failure of two plans that fill their devices: a rerouting is taken only where every worker's
+    step, counted along its merged list, fits its device (the helpers' rerouted forwards wait for room, and
+    all of a lost stage's micro-batches go to one helper where spreading them does not fit); else it is
+    refused, naming the worker, and the choice re-instantiates."""
     refused = []
-    for node in plan.nodes:
-        try:
-            rerouted = reroute(plan, [node])
-        except NotReroutable as e:
-            assert "would need" in str(e) and f"of its device's {cap:.4g}" in str(e)
-            refused.append(node)
-            continue
-        assert max(peak_memory_bytes(rerouted).values()) <= cap
-    assert 0 < len(refused) < len(plan.nodes)
-    choice = choose_recovery(plan, [refused[0]], "reroute")
+    for plan in (with_backward_memory(8, 3, "1f1b"), uneven_and_full()):
+        cap = PlannerInputs.from_plan(plan).cluster.device_memory_bytes
+        for node in plan.nodes:
+            try:
+                rerouted = reroute(plan, [node])
+            except NotReroutable as e:
+                assert "would need" in str(e) and f"of its device's {cap:.4g}" in str(e)
+                refused.append((plan, node))
+                continue
+            assert max(peak_memory_bytes(rerouted).values()) <= cap
+    plan, node = refused[0]
+    assert [len(p.stages) for p in plan.pipelines] == [4, 3]
+    choice = choose_recovery(plan, [node], "reroute")
     assert choice.policy == "reinstantiate"
     assert "would need" in next(c.infeasible for c in choice.candidates if c.policy == "reroute")
+
+
+def test_a_lost_stages_micro_batches_go_to_one_helper_where_spreading_them_overfills() -> None:
+    # 4 pipelines of 2 stages, nearly full: spread over 3 helpers, the damaged pipeline's first stage would
+    # warm up once per helper
+    plan = with_backward_memory(8, 3, "1f1b")
+    rerouted = reroute(plan, [plan.pipelines[0].nodes[1]])
+    assert [len(r.helpers) for r in rerouted.reroutes] == [1]
+    roomy = dataclasses.replace(
+        plan, extra={**plan.extra, "cluster": {**plan.extra["cluster"], "device_memory_bytes": 1e9}}
+    )
+    assert [len(r.helpers) for r in reroute(roomy, [roomy.pipelines[0].nodes[1]]).reroutes] == [3]
