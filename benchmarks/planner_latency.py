@@ -58,11 +58,8 @@ REROUTING_JOB = {
     "fault_tolerance": 2,
     "global_batch": 1024,
     "microbatch": 1,
-    "cluster.device_memory_bytes": 141e9,
 }
-"""The job of ``oobleck simulate``'s example (docs/planning.md), as ``oobleck plan`` configures it, on
-devices of 141 GB (an H200's): at the example's 48 GB the helpers have no room for rerouted micro-batches,
-and the recovery re-instantiates."""
+"""The job of ``oobleck simulate``'s example (docs/planning.md), as ``oobleck plan`` configures it."""
 MODELS = {24: (1024, 2048), 32: (2560, 2048), 64: (2560, 1024), 96: (2560, 1024)}
 """(hidden, sequence length) per layer count: GPT-3 Medium, GPT-3 2.7B, and deeper 2.7B-wide models."""
 A40 = {"device_memory_bytes": 48e9, "intra_node_bandwidth": 100e9, "inter_node_bandwidth": 25e9}

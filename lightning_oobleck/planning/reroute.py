@@ -45,6 +45,7 @@ from lightning_oobleck.planning.schedules import (
     Op,
     PipelineSpec,
     Schedule,
+    ScheduleError,
     in_flight_limit,
     merge,
     pending_weight_limit,
@@ -293,7 +294,14 @@ def _merged(
                 if memory is not None and plan.role(w.node, w.device).pipeline != owner:
                     room[(len(parts), w)] = memory.activation_room(w) - memory.own_bytes(w)
             parts.append(pipeline_actions(spec, plan.schedule, None, train, channel))
-        schedule, end_s = merge(parts, phase_duration(plan), None, memory and memory.change, room)
+        try:
+            schedule, end_s = merge(parts, phase_duration(plan), None, memory and memory.change, room)
+        except ScheduleError:
+            if not room:
+                raise
+            # two damaged pipelines helping each other can each wait for the other's held-back work: merge
+            # without waiting, and let the count of the step's memory decide
+            schedule, end_s = merge(parts, phase_duration(plan))
     return schedule, limits, end_s
 
 
