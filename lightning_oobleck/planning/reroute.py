@@ -16,6 +16,11 @@ rerouted work fills the helpers' bubbles; every route's transfers go on a channe
 (:func:`step_actions`). Gradients of rerouted work accumulate in the replica that computed them, and the
 gradient sync sums each layer over its live replicas (:meth:`Plan.layer_owners`): each layer's gradient is
 still the sum over every micro-batch of the global batch, so the step is single-device training's.
+
+A plan fills its devices with its own micro-batches, so rerouted ones must fit beside them: the merge holds
+a helper's rerouted forwards back to the room its own leave (:class:`_StepMemory`), the rerouted step's
+memory is counted along its lists (:func:`peak_memory_bytes`), a lost stage's micro-batches go to one
+helper where spreading them overfills a device, and a step that still overfills one is not reroutable.
 """
 
 from __future__ import annotations
@@ -48,7 +53,6 @@ from lightning_oobleck.planning.schedules import (
     ScheduleError,
     in_flight_limit,
     merge,
-    pending_weight_limit,
     pipeline_actions,
     pipeline_times_s,
     reduce_actions,
@@ -101,11 +105,8 @@ def _reroute(plan: Plan, failed: Iterable[int]) -> tuple[Plan, float]:
     failed = tuple(failed)
     try:
         return _reroute_over(plan, failed, spread=True)
-    except _NoRoom as spread_error:
-        try:
-            return _reroute_over(plan, failed, spread=False)
-        except NotReroutable:
-            raise spread_error from None
+    except _NoRoom:
+        return _reroute_over(plan, failed, spread=False)
 
 
 def _reroute_over(plan: Plan, failed: tuple[int, ...], spread: bool) -> tuple[Plan, float]:
@@ -158,7 +159,7 @@ def _reroute_over(plan: Plan, failed: tuple[int, ...], spread: bool) -> tuple[Pl
         if most > memory.device_bytes:
             raise _NoRoom(
                 f"worker {worker} would need {most:.4g} bytes of its device's {memory.device_bytes:.4g} "
-                "with the lost stages' micro-batches in flight beside its own"
+                "in the rerouted step, even with each lost stage's micro-batches on one helper"
             )
     step = plan.iteration_time_s * after / before if plan.iteration_time_s > 0 and before > 0 else after
     return dataclasses.replace(rerouted, iteration_time_s=step), after
@@ -282,7 +283,7 @@ def _merged(
     limits: dict[Worker, int] = {}
     starts = list(itertools.accumulate((p.microbatches for p in plan.pipelines), initial=0))
     memory = _StepMemory.of(plan) if train and plan.reroutes else None
-    room: dict[tuple[int, Worker], float] = {}  # what a helper's own micro-batches leave to rerouted ones
+    room: dict[tuple[int, Worker], float] = {}  # what a helper's device leaves to micro-batches in flight
     with _without_cyclic_gc():
         for channel, spec in enumerate(routes(plan, tensor_rank)):
             owner = bisect.bisect_right(starts, spec.microbatches[0]) - 1  # whose micro-batches go this way
@@ -292,7 +293,7 @@ def _merged(
                 bound = in_flight_limit(plan.schedule, len(spec.workers), s, len(spec.microbatches))
                 limits[w] = limits.get(w, 0) + bound
                 if memory is not None and plan.role(w.node, w.device).pipeline != owner:
-                    room[(len(parts), w)] = memory.activation_room(w) - memory.own_bytes(w)
+                    room[(len(parts), w)] = memory.activation_room(w)
             parts.append(pipeline_actions(spec, plan.schedule, None, train, channel))
         try:
             schedule, end_s = merge(parts, phase_duration(plan), None, memory and memory.change, room)
@@ -364,7 +365,7 @@ class _StepMemory:
 
     def effect(self, worker: Worker, action: Action) -> tuple[float, float]:
         """How many bytes more ``worker`` holds after the compute ``action``, and how far above what it held
-        before them the bytes rise while it runs."""
+        before it the bytes rise while it runs."""
         # a route's first stage and a recomputing one run the whole backward (the first's in its W, with
         # nothing kept between: counted at its I)
         whole = self._role(worker)[0] or self.route_start[action.microbatch] == worker
@@ -397,18 +398,6 @@ class _StepMemory:
         layers = self._role(worker)[1]
         params = self.cost.parameter_bytes(layers.start, layers.stop)
         return params * self.cost.state_factor, float(self.cost.step_bytes(params))
-
-    def own_bytes(self, worker: Worker) -> float:
-        """The most its own pipeline's in-flight micro-batches keep on ``worker``: its stage's bound."""
-        recompute, layers = self._role(worker)
-        role = self.plan.role(worker.node, worker.device)
-        pipeline = self.plan.pipelines[role.pipeline]
-        depth, m, schedule = len(pipeline.stages), pipeline.microbatches, self.plan.schedule
-        held = self.cost.held_bytes(layers.start, layers.stop, recompute)
-        kept = 0.0 if recompute else self.cost.weight_kept_bytes(layers.start, layers.stop, role.stage)
-        return held * in_flight_limit(schedule, depth, role.stage, m) + kept * pending_weight_limit(
-            schedule, depth, role.stage, m
-        )
 
     def activation_room(self, worker: Worker) -> float:
         """The most the worker's in-flight micro-batches may hold, a backward's rise through any of its layers

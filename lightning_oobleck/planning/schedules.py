@@ -461,9 +461,11 @@ def merge(
     a heap, re-offered only when the worker or a message to it moves: ``O(actions log workers)``.
 
     ``memory(worker, action)``: how many bytes more the worker holds after the action (fewer: negative);
-    ``limits[(k, worker)]``: the most the worker's parts with a limit may hold together after an action of
-    part ``k`` that adds some: the action waits while they hold too much, until the worker's parts without
-    a limit are done (then it goes on: the caller measures the result). Those never wait, so the wait ends.
+    ``limits[(k, worker)]``: the most the worker may hold. An action of part ``k`` that adds some waits while
+    the worker's bytes with it, plus the most its parts without a limit will still add above what they hold
+    (their lists are known), would pass the limit: what it holds then stays within it whatever those parts
+    do next. It waits until they are done at the latest (then it goes on: the caller measures the result);
+    they never wait, so the wait ends.
     """
     # Workers by index (their order of first appearance, the last tie-break), each's parts as units.
     index: dict[Worker, int] = {}
@@ -482,6 +484,23 @@ def merge(
         sum(len(us) for us, most in zip(units[w], limit[w], strict=True) if most == math.inf)
         for w in range(len(workers))
     ]
+    # rise[w][k][i]: the most part k (without a limit) of a worker with limited parts adds above what it
+    # holds at its i-th unit, over its units from there on
+    rise: list[list[list[float]]] = [[] for _ in workers]
+    if memory is not None:
+        for w in range(len(workers)):
+            if all(most == math.inf for most in limit[w]):
+                continue
+            for us, most in zip(units[w], limit[w], strict=True):
+                held_after = list(
+                    itertools.accumulate((memory(workers[w], u.compute) for u in us), initial=0.0)
+                )
+                ahead = held_after[:]
+                for i in range(len(us) - 1, -1, -1):
+                    ahead[i] = max(held_after[i], ahead[i + 1])
+                rise[w].append(
+                    [a - h for a, h in zip(ahead, held_after, strict=True)] if most == math.inf else []
+                )
     position = [[0] * len(ps) for ps in units]
     merged: list[list[Action]] = [[] for _ in workers]
     clock = [0.0] * len(workers)
@@ -501,8 +520,10 @@ def merge(
             unit = chunk_list[at[k]]
             if memory is not None and limit[w][k] < math.inf and unlimited_left[w]:
                 more = memory(workers[w], unit.compute)
-                if more > 0 and held[w] + more > limit[w][k]:
-                    continue
+                if more > 0:
+                    coming = sum(r[at[j]] for j, r in enumerate(rise[w]) if r)
+                    if held[w] + more + coming > limit[w][k]:
+                        continue
             start = now
             for key in unit.receives:
                 arrival = arrivals.get(key)
@@ -530,8 +551,8 @@ def merge(
         clock[w] = end
         if limit[w][k] == math.inf:
             unlimited_left[w] -= 1
-        elif memory is not None:
-            held[w] += memory(worker, unit.compute)
+        if rise[w]:  # a worker with limited parts: what it holds
+            held[w] += memory(worker, unit.compute)  # type: ignore[misc]
         merged[w] += unit.actions
         offer(w)
         for peer, key, send in unit.sends:

@@ -237,9 +237,9 @@ def test_a_deadlock_is_named_by_the_blocked_actions() -> None:
 def test_a_merge_holds_back_a_parts_forwards_until_the_worker_has_room() -> None:
     """Worker (0, 0) runs its own 2-stage pipeline and another part's micro-batch (10 bytes held per
     forward until its backward). In the bubble while it waits for its first gradient, the other part's
-    forward would bring it to 30 bytes; with room for 20, all of which its own 2 micro-batches in flight
-    take (the other part's limit: 0), that forward waits for its own work to end, and the merged lists still
-    pass the validator."""
+    forward would bring it to 30 bytes; with room for 20, which its own 2 micro-batches in flight take, that
+    forward waits for its own first backward (after which its own work adds nothing more), and the merged
+    lists still pass the validator."""
     w, v = Worker(0, 0), Worker(1, 0)
     own = pipeline_actions(PipelineSpec((w, v), ((0,), (1,)), (0, 1)), "1f1b", None, True, 0)
     other = pipeline_actions(PipelineSpec((w,), ((0, 1),), (2,)), "1f1b", None, True, 1)
@@ -256,7 +256,8 @@ def test_a_merge_holds_back_a_parts_forwards_until_the_worker_has_room() -> None
         return peak
 
     free, _ = merge([own, other], unit_times)
-    limited, _ = merge([own, other], unit_times, None, change, {(1, w): 0.0})
+    limited, _ = merge([own, other], unit_times, None, change, {(1, w): 20.0})
     assert most_held(free) == 30.0 and most_held(limited) == 20.0
-    assert [a.microbatch for a in limited[w] if a.op is Op.F][-1] == 2  # after its own forwards
+    computed = [(a.op, a.microbatch) for a in limited[w] if a.op in (Op.F, Op.B)]
+    assert computed.index((Op.F, 2)) == computed.index((Op.B, 0)) + 1
     validate(limited, {w: 3, v: 1}, {w: 0, v: 0})
