@@ -492,15 +492,16 @@ def merge(
             if all(most == math.inf for most in limit[w]):
                 continue
             for us, most in zip(units[w], limit[w], strict=True):
+                if most < math.inf:
+                    rise[w].append([])
+                    continue
                 held_after = list(
                     itertools.accumulate((memory(workers[w], u.compute) for u in us), initial=0.0)
                 )
                 ahead = held_after[:]
                 for i in range(len(us) - 1, -1, -1):
                     ahead[i] = max(held_after[i], ahead[i + 1])
-                rise[w].append(
-                    [a - h for a, h in zip(ahead, held_after, strict=True)] if most == math.inf else []
-                )
+                rise[w].append([a - h for a, h in zip(ahead, held_after, strict=True)])
     position = [[0] * len(ps) for ps in units]
     merged: list[list[Action]] = [[] for _ in workers]
     clock = [0.0] * len(workers)
