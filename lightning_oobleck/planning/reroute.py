@@ -50,7 +50,6 @@ from lightning_oobleck.planning.schedules import (
     Op,
     PipelineSpec,
     Schedule,
-    ScheduleError,
     in_flight_limit,
     merge,
     pipeline_actions,
@@ -97,7 +96,12 @@ def reroute(plan: Plan, failed: Iterable[int]) -> Plan:
 
 
 class _NoRoom(NotReroutable):
-    """A worker of the rerouted step would need more memory than its device has."""
+    """A worker of the rerouted step would need more memory than its device has; ``narrowable``: a lost
+    stage's micro-batches were spread over several helpers."""
+
+    def __init__(self, message: str, narrowable: bool) -> None:
+        super().__init__(message)
+        self.narrowable = narrowable
 
 
 def _reroute(plan: Plan, failed: Iterable[int]) -> tuple[Plan, float]:
@@ -105,7 +109,9 @@ def _reroute(plan: Plan, failed: Iterable[int]) -> tuple[Plan, float]:
     failed = tuple(failed)
     try:
         return _reroute_over(plan, failed, spread=True)
-    except _NoRoom:
+    except _NoRoom as e:
+        if not e.narrowable:
+            raise
         return _reroute_over(plan, failed, spread=False)
 
 
@@ -153,13 +159,15 @@ def _reroute_over(plan: Plan, failed: tuple[int, ...], spread: bool) -> tuple[Pl
     )
     # the rerouted step's merge makes its routes, which refuse a route through one worker twice
     before, after = predict_step_s(plan), predict_step_s(rerouted)
-    memory = _StepMemory.of(rerouted)  # None for a plan made by hand, without a profile to weigh
+    # the merge's own; None for a plan made by hand, without a profile to weigh
+    memory = _step_memory(dataclasses.replace(rerouted, iteration_time_s=0.0), id(rerouted.extra))
     if memory is not None:
         worker, most = max(memory.peaks(affected(rerouted)).items(), key=lambda item: item[1])
         if most > memory.device_bytes:
             raise _NoRoom(
                 f"worker {worker} would need {most:.4g} bytes of its device's {memory.device_bytes:.4g} "
-                "in the rerouted step, even with each lost stage's micro-batches on one helper"
+                "in the rerouted step, even with each lost stage's micro-batches on one helper",
+                narrowable=any(len(r.helpers) > 1 for r in reroutes),
             )
     step = plan.iteration_time_s * after / before if plan.iteration_time_s > 0 and before > 0 else after
     return dataclasses.replace(rerouted, iteration_time_s=step), after
@@ -271,18 +279,21 @@ def _merge_routes(
     pipelines of 32 stages, 64 micro-batches each) the merge of a rerouted step takes 1.2-1.7 s. Callers copy
     the lists they change."""
     # the merge does not depend on the predicted step, which a rerouting sets after simulating its lists
-    return _merged(dataclasses.replace(plan, iteration_time_s=0.0), tensor_rank, train, pipelines)
+    zeroed = dataclasses.replace(plan, iteration_time_s=0.0)
+    return _merged(zeroed, id(plan.extra), tensor_rank, train, pipelines)
 
 
 @functools.lru_cache(maxsize=2)
 def _merged(
-    plan: Plan, tensor_rank: int, train: bool, pipelines: frozenset[int] | None
+    plan: Plan, inputs: int, tensor_rank: int, train: bool, pipelines: frozenset[int] | None
 ) -> tuple[Schedule, dict[Worker, int], float]:
-    """:func:`_merge_routes`, cached: ``plan`` comes with its predicted step zeroed."""
+    """:func:`_merge_routes`, cached: ``plan`` comes with its predicted step zeroed; ``inputs``: the identity
+    of its planner inputs (``plan.extra``), which the merge weighs memory by and a plan's equality leaves
+    out."""
     parts = []
     limits: dict[Worker, int] = {}
     starts = list(itertools.accumulate((p.microbatches for p in plan.pipelines), initial=0))
-    memory = _StepMemory.of(plan) if train and plan.reroutes else None
+    memory = _step_memory(plan, inputs) if train and plan.reroutes else None
     room: dict[tuple[int, Worker], float] = {}  # what a helper's device leaves to micro-batches in flight
     with _without_cyclic_gc():
         for channel, spec in enumerate(routes(plan, tensor_rank)):
@@ -295,14 +306,7 @@ def _merged(
                 if memory is not None and plan.role(w.node, w.device).pipeline != owner:
                     room[(len(parts), w)] = memory.activation_room(w)
             parts.append(pipeline_actions(spec, plan.schedule, None, train, channel))
-        try:
-            schedule, end_s = merge(parts, phase_duration(plan), None, memory and memory.change, room)
-        except ScheduleError:
-            if not room:
-                raise
-            # two damaged pipelines helping each other can each wait for the other's held-back work: merge
-            # without waiting, and let the count of the step's memory decide
-            schedule, end_s = merge(parts, phase_duration(plan))
+        schedule, end_s = merge(parts, phase_duration(plan), None, memory and memory.change, room)
     return schedule, limits, end_s
 
 
@@ -319,6 +323,16 @@ def peak_memory_bytes(plan: Plan, pipelines: frozenset[int] | None = None) -> di
     return _StepMemory(plan).peaks(pipelines)
 
 
+@functools.lru_cache(maxsize=2)
+def _step_memory(plan: Plan, inputs: int) -> _StepMemory | None:
+    """The step memory of ``plan`` (keyed as :func:`_merged`), made once for the merge and the count;
+    ``None`` for a plan without its planner inputs (made by hand)."""
+    try:
+        return _StepMemory(plan)
+    except PlanningError:
+        return None
+
+
 class _StepMemory:
     """The cost model's bytes of a plan's step on each worker, action by action (:func:`peak_memory_bytes`;
     :func:`_merged` keeps rerouted work within them)."""
@@ -331,14 +345,6 @@ class _StepMemory:
         self.route_start = {mb: spec.workers[0] for spec in routes(plan) for mb in spec.microbatches}
         self._effects: dict[tuple[Worker, Op, tuple[int, ...], bool], tuple[float, float]] = {}
         self._stage: dict[Worker, tuple[bool, range]] = {}
-
-    @classmethod
-    def of(cls, plan: Plan) -> _StepMemory | None:
-        """The plan's step memory, or ``None`` for a plan without its planner inputs (made by hand)."""
-        try:
-            return cls(plan)
-        except PlanningError:
-            return None
 
     def peaks(self, pipelines: frozenset[int] | None) -> dict[Worker, float]:
         """:func:`peak_memory_bytes`."""

@@ -464,8 +464,8 @@ def merge(
     ``limits[(k, worker)]``: the most the worker may hold. An action of part ``k`` that adds some waits while
     the worker's bytes with it, plus the most its parts without a limit will still add above what they hold
     (their lists are known), would pass the limit: what it holds then stays within it whatever those parts
-    do next. It waits until they are done at the latest (then it goes on: the caller measures the result);
-    they never wait, so the wait ends.
+    do next. It waits until they are done at the latest, or until no worker can go on otherwise (parts
+    holding each other back): then it goes on, and the caller measures the result.
     """
     # Workers by index (their order of first appearance, the last tie-break), each's parts as units.
     index: dict[Worker, int] = {}
@@ -513,17 +513,19 @@ def merge(
 
     def offer(w: int) -> None:
         version[w] += 1
+        waiting.discard(w)
         best: tuple[float, int, int] | None = None
         at, now = position[w], clock[w]
         for k, chunk_list in enumerate(units[w]):
             if at[k] >= len(chunk_list):
                 continue
             unit = chunk_list[at[k]]
-            if memory is not None and limit[w][k] < math.inf and unlimited_left[w]:
+            if memory is not None and limit[w][k] < math.inf and unlimited_left[w] and w not in released:
                 more = memory(workers[w], unit.compute)
                 if more > 0:
                     coming = sum(r[at[j]] for j, r in enumerate(rise[w]) if r)
                     if held[w] + more + coming > limit[w][k]:
+                        waiting.add(w)
                         continue
             start = now
             for key in unit.receives:
@@ -539,9 +541,16 @@ def merge(
         if best is not None:
             heapq.heappush(ready, (*best, w, version[w]))
 
+    waiting: set[int] = set()  # workers whose last offer held an action back for memory
+    released: set[int] = set()  # workers that no longer hold back: every worker was waiting for another
     for w in range(len(workers)):
         offer(w)
-    while ready:
+    while ready or waiting:
+        if not ready:  # parts holding each other back (two damaged pipelines helping each other)
+            released |= waiting
+            for w in list(waiting):
+                offer(w)
+            continue
         start, _, k, w, seen = heapq.heappop(ready)
         if seen != version[w]:
             continue

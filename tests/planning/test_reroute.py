@@ -362,7 +362,7 @@ def test_a_lost_stages_micro_batches_go_to_one_helper_where_spreading_them_overf
 def test_two_damaged_pipelines_on_full_devices_reroute_or_are_refused_never_deadlock() -> None:
     """Failures in both pipelines of a full plan: each pipeline helps the other, and each one's rerouted
     forwards could wait for the other's (with node 2 and 4 lost, the memory-aware merge deadlocked once). The
-    merge then goes on without waiting and the memory count decides: a rerouting that fits, or a refusal."""
+    waiting workers then go on and the memory count decides: a rerouting that fits, or a refusal."""
     plan = uneven_and_full()
     cap = PlannerInputs.from_plan(plan).cluster.device_memory_bytes
     for a, b in itertools.product(plan.pipelines[0].nodes, plan.pipelines[1].nodes):
