@@ -154,14 +154,14 @@ def test_read_plan_is_answered_by_the_publication_stops_on_abort_and_times_out_b
             return dist.PrefixStore(prefix, clients[-1])
 
         store = client("published")
+        started = time.monotonic()  # before the timer starts: it fires 0.3 s after its start
         threading.Timer(0.3, publish_plan, (store, lambda: plan)).start()
-        started = time.monotonic()
         assert read_plan(store, 10.0) == plan
         assert 0.3 <= time.monotonic() - started < 2.0
 
         abort = threading.Event()
-        threading.Timer(0.3, abort.set).start()
         started = time.monotonic()
+        threading.Timer(0.3, abort.set).start()
         assert read_plan(client("aborted"), 10.0, abort) is None
         assert time.monotonic() - started < 2.0
         with pytest.raises(TimeoutError, match=r"plan_timeout_s=0.5 s"):
