@@ -159,6 +159,8 @@ class WorkerAgent:
         self._outstanding: dict[str, dict[str, Any]] = {}
         """What the training thread asked and was not answered yet: sent again after a failover."""
         self._hosted: subprocess.Popen | None = None
+        self._hosting: threading.Thread | None = None
+        """The thread starting the hosted standby (:meth:`_host_standby`)."""
         self._nothing_to_admit = -1
         self._announced: Membership | None = None
         self._agreed: Membership | None = None
@@ -299,6 +301,8 @@ class WorkerAgent:
         if self._thread is not None:
             self._thread.join(timeout=2 * self.heartbeat_interval + 1.0)
         self._sock.close()
+        if finished and self._hosting is not None:  # the hosted process may be the active coordinator now
+            self._hosting.join(HOSTED_END_TIMEOUT_S)
         hosted = self._hosted
         if finished and hosted is not None and hosted.pid == self.coordinator_pid_here():
             # the active coordinator, which this process started as a standby: it serves the others until
@@ -586,8 +590,15 @@ class WorkerAgent:
 
     def _host_standby(self, msg: dict[str, Any]) -> None:
         """Start a standby coordinator on this node, following the active one: a process of its own that ends
-        with this process, as it would with the node (it watches this process)."""
-        if self._hosted is not None and self._hosted.poll() is None:
+        with this process, as it would with the node (it watches this process).
+
+        It is started from a thread of its own, never from this one, which must keep the heartbeats:
+        ``Popen`` returns once the child has exec'd, which it learns by reading a pipe to its end, and a
+        process the training thread forks meanwhile (a ``DataLoader`` starting its workers) holds that pipe
+        open for as long as it lives (a whole epoch); the node would be declared dead meanwhile."""
+        if (self._hosting is not None and self._hosting.is_alive()) or (
+            self._hosted is not None and self._hosted.poll() is None
+        ):
             return
         host = "127.0.0.1" if msg.get("loopback") else socket.gethostname()
         module = os.environ.get(STANDBY_MODULE_ENV, STANDBY_MODULE)
@@ -600,8 +611,14 @@ class WorkerAgent:
             command += ["--join-file", str(msg["join_file"])]
         if log_pattern := os.environ.get(COORDINATOR_LOG_ENV):
             command += ["--log", log_pattern.replace("%n", str(self.worker.node))]
+        env = {**os.environ, **({SECRET_ENV: self._secret} if self._secret is not None else {})}
+        self._hosting = threading.Thread(
+            target=self._start_standby, args=(command, env), name="oobleck-host-standby", daemon=True
+        )
+        self._hosting.start()
+
+    def _start_standby(self, command: list[str], env: dict[str, str]) -> None:
         try:
-            env = {**os.environ, **({SECRET_ENV: self._secret} if self._secret is not None else {})}
             self._hosted = subprocess.Popen(
                 command, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, env=env
             )
