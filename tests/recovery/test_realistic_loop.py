@@ -255,8 +255,7 @@ def fit_loop(
             "seed": SEED,
             "collective_timeout_s": 20,
             # 7 workers and 14 loader workers share 2 cores here: a heartbeat thread can starve for seconds
-            # (CI once saw a survivor silent for over 8 s and fenced, losing a layer's last replica)
-            "heartbeat_timeout_s": 16.0,
+            "heartbeat_timeout_s": 8.0,
             **kw,
         }
     )
