@@ -50,7 +50,7 @@ from lightning_oobleck.execution import PipelineEngine, ProcessGroups
 from lightning_oobleck.planning import ClusterSpec, Plan, make_plan
 from lightning_oobleck.planning.planner import PlannerInputs
 from lightning_oobleck.planning.reconfigure import after_failures, copy_time_s
-from lightning_oobleck.planning.reroute import (
+from lightning_oobleck.planning.rerouting import (
     choose_recovery,
     predict_staggered_step_s,
     predict_step_s,

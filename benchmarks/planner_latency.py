@@ -32,7 +32,7 @@ from rich.table import Table
 from lightning_oobleck.config import load_config
 from lightning_oobleck.planning import ClusterSpec, ModelProfile, Plan, make_plan, synthetic_gpt_profile
 from lightning_oobleck.planning.config import PlannerConfig
-from lightning_oobleck.planning.reroute import affected, choose_recovery, step_actions
+from lightning_oobleck.planning.rerouting import affected, choose_recovery, step_actions
 from lightning_oobleck.planning.schedules import validate
 
 NODES = (8, 16, 24)

@@ -113,7 +113,7 @@ def test_rerouting_that_would_overfill_a_device_is_refused_and_says_why(
     would cross pipeline 1's stages, and pipeline 0's first stage (node 0) would warm up for the longer
     route, more than its device holds: the replan re-instantiates and says why."""
     monkeypatch.syspath_prepend(Path(__file__).parent / "planning")
-    from test_reroute import uneven_and_full
+    from test_rerouting import uneven_and_full
 
     profile = tmp_path / "profile.json"
     PlannerInputs.from_plan(uneven_and_full()).profile.save(profile)

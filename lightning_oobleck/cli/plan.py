@@ -24,7 +24,7 @@ from lightning_oobleck.planning.plan import Plan
 from lightning_oobleck.planning.planner import with_templates
 from lightning_oobleck.planning.profile import ModelProfile
 from lightning_oobleck.planning.reconfigure import Reconfiguration, after_joins
-from lightning_oobleck.planning.reroute import RECOVERY_POLICIES, choose_recovery
+from lightning_oobleck.planning.rerouting import RECOVERY_POLICIES, choose_recovery
 from lightning_oobleck.planning.schedules import SCHEDULE_NAMES
 
 _FLAG_KEYS = {

@@ -44,7 +44,7 @@ from lightning_oobleck.execution.tensor_parallel import (
     parallelize_stage,
 )
 from lightning_oobleck.planning.plan import Plan
-from lightning_oobleck.planning.reroute import affected, shared_pairs, step_actions
+from lightning_oobleck.planning.rerouting import affected, shared_pairs, step_actions
 from lightning_oobleck.planning.schedules import (
     Action,
     Op,

@@ -14,7 +14,7 @@ from typing import Any, Literal
 from omegaconf import DictConfig
 
 from lightning_oobleck.config import load_config, structured
-from lightning_oobleck.planning.reroute import RECOVERY_POLICIES
+from lightning_oobleck.planning.rerouting import RECOVERY_POLICIES
 from lightning_oobleck.planning.schedules import SCHEDULE_NAMES
 from lightning_oobleck.recovery.admission import JoinPolicy
 

@@ -16,7 +16,7 @@ from lightning_oobleck.planning.reconfigure import (
     after_joins,
     reconfigure,
 )
-from lightning_oobleck.planning.reroute import RECOVERY_POLICIES, NotReroutable, choose_recovery, reroute
+from lightning_oobleck.planning.rerouting import RECOVERY_POLICIES, NotReroutable, choose_recovery, reroute
 
 __all__ = [
     "RECOVERY_POLICIES",

@@ -211,7 +211,7 @@ class Reroute:
     """ReCycle's rerouting of one lost stage: stage ``stage`` of pipeline ``pipeline`` ran on a node that is
     gone; the pipeline keeps its other stages, and the lost stage's layers run, for its micro-batches, on the
     workers of the pipelines ``helpers`` that hold them (micro-batch ``k`` of the pipeline on
-    ``helpers[k % len(helpers)]``), at layer granularity (:mod:`lightning_oobleck.planning.reroute`)."""
+    ``helpers[k % len(helpers)]``), at layer granularity (:mod:`lightning_oobleck.planning.rerouting`)."""
 
     pipeline: int
     stage: int

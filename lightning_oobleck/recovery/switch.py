@@ -26,7 +26,7 @@ from lightning_oobleck.execution.process_groups import ProcessGroups
 from lightning_oobleck.execution.stage import StageModule
 from lightning_oobleck.planning.plan import Plan
 from lightning_oobleck.planning.reconfigure import Reconfiguration, ReconfigurationError, reconfigure
-from lightning_oobleck.planning.reroute import choose_recovery, expected_failure_interval_s
+from lightning_oobleck.planning.rerouting import choose_recovery, expected_failure_interval_s
 from lightning_oobleck.recovery.errors import UnrecoverableFailure
 from lightning_oobleck.recovery.events import RecoveryEvent
 from lightning_oobleck.recovery.protocol import Membership
@@ -56,7 +56,7 @@ class CopiedLayout:
 
 @dataclass(frozen=True)
 class RecoveryPolicy:
-    """How failures are recovered from (:func:`~lightning_oobleck.planning.reroute.choose_recovery`)."""
+    """How failures are recovered from (:func:`~lightning_oobleck.planning.rerouting.choose_recovery`)."""
 
     policy: str = "reinstantiate"
     failure_interval_s: float = 3600.0

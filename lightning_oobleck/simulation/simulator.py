@@ -24,7 +24,7 @@ policies charge, on the same trace:
     :attr:`PolicyResult.coordinator_restarts` those that cost a restart.
 ``oobleck-reroute``, ``oobleck-auto``
     ``oobleck`` with ``recovery_policy="reroute"`` or ``"auto"``
-    (:func:`~lightning_oobleck.planning.reroute.choose_recovery`): a failure reroutes the damaged pipelines'
+    (:func:`~lightning_oobleck.planning.rerouting.choose_recovery`): a failure reroutes the damaged pipelines'
     lost stages to other pipelines' replicas (no copy, the rerouted plan's slower step; re-instantiation
     where a layer has no live replica left), or, under ``auto``, does whichever trains more samples before
     the layout changes again: the next failure or the lost node's return, whichever comes first (a return
@@ -62,7 +62,7 @@ from lightning_oobleck.planning.reconfigure import (
     after_joins,
     copy_time_s,
 )
-from lightning_oobleck.planning.reroute import choose_recovery
+from lightning_oobleck.planning.rerouting import choose_recovery
 from lightning_oobleck.planning.templates import InfeasibleTemplateError
 from lightning_oobleck.simulation.trace import NodeEvent, Trace
 

@@ -24,7 +24,7 @@ from lightning_oobleck.planning.cost import CostModel
 from lightning_oobleck.planning.plan import Plan
 from lightning_oobleck.planning.profile import LayerProfile, ModelProfile
 from lightning_oobleck.planning.reconfigure import after_failures
-from lightning_oobleck.planning.reroute import choose_recovery, reroute
+from lightning_oobleck.planning.rerouting import choose_recovery, reroute
 from lightning_oobleck.planning.schedules import SCHEDULE_NAMES
 from lightning_oobleck.testing import DeviceTimes, emulated_layers
 

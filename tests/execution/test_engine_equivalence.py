@@ -17,7 +17,7 @@ from lightning_oobleck.execution import profile_layers
 from lightning_oobleck.execution.grad_sync import DEFAULT_BUCKET_CAP_BYTES
 from lightning_oobleck.planning.plan import Plan, WorkerRole
 from lightning_oobleck.planning.profile import ModelProfile
-from lightning_oobleck.planning.reroute import reroute
+from lightning_oobleck.planning.rerouting import reroute
 from lightning_oobleck.planning.schedules import SCHEDULE_NAMES, in_flight_limit
 
 STEPS = 3
@@ -167,7 +167,7 @@ def test_stages_over_two_devices_equal_single_process_training(
 
 
 # ReCycle's rerouting: after nodes are lost, the damaged pipelines keep their surviving stages and the lost
-# stages' layers run, for their micro-batches, on other pipelines' replicas (planning/reroute.py)
+# stages' layers run, for their micro-batches, on other pipelines' replicas (planning/rerouting.py)
 HOMOGENEOUS = plan_from_splits([[(0, 2), (2, 4), (4, 6)]] * 2, [3, 3], MICROBATCH)
 HETEROGENEOUS = plan_from_splits([[(0, 3), (3, 6)], [(0, 2), (2, 4), (4, 6)]], [2, 4], MICROBATCH)
 THREE = plan_from_splits(

@@ -8,7 +8,7 @@ import pytest
 
 from lightning_oobleck.planning import ClusterSpec, Plan, make_plan
 from lightning_oobleck.planning.profile import LayerProfile, ModelProfile
-from lightning_oobleck.planning.reroute import choose_recovery
+from lightning_oobleck.planning.rerouting import choose_recovery
 from lightning_oobleck.recovery.events import RecoveryEvent
 from lightning_oobleck.recovery.protocol import Membership
 from lightning_oobleck.recovery.switch import RecoveryPolicy, next_plan

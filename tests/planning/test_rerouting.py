@@ -13,7 +13,7 @@ from lightning_oobleck.planning import ClusterSpec, Plan, ReconfigurationError, 
 from lightning_oobleck.planning.planner import PlannerInputs
 from lightning_oobleck.planning.profile import LayerProfile, ModelProfile
 from lightning_oobleck.planning.reconfigure import after_failures
-from lightning_oobleck.planning.reroute import (
+from lightning_oobleck.planning.rerouting import (
     NotReroutable,
     _merge_routes,
     _merged,
