@@ -90,7 +90,7 @@ def test_a_standby_started_while_the_training_thread_forks_does_not_silence_the_
     one is forked in that window (around CPython's ``fork_exec``, the pipe already open) and lives three
     heartbeat timeouts: the worker's heartbeats go on, nobody is declared dead, and the standby follows.
     (Before, the agent's own thread started it and fell silent: the node was declared dead.)"""
-    timeout, forked = 1.0, []
+    timeout, forked = 2.0, []
     fork_exec = subprocess._fork_exec  # type: ignore[attr-defined]
 
     def forking_meanwhile(*args: Any) -> int:
