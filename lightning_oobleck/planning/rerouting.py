@@ -160,7 +160,7 @@ def _reroute_over(plan: Plan, failed: tuple[int, ...], spread: bool) -> tuple[Pl
     # the rerouted step's merge makes its routes, which refuse a route through one worker twice
     before, after = predict_step_s(plan), predict_step_s(rerouted)
     # the merge's own; None for a plan made by hand, without a profile to weigh
-    memory = _step_memory(dataclasses.replace(rerouted, iteration_time_s=0.0), id(rerouted.extra))
+    memory = _step_memory(*_cache_key(rerouted))
     if memory is not None:
         worker, most = max(memory.peaks(affected(rerouted)).items(), key=lambda item: item[1])
         if most > memory.device_bytes:
@@ -278,18 +278,21 @@ def _merge_routes(
     once per plan (the last two kept: a plan's training and evaluation lists), as on 64 nodes x 8 GPUs (16
     pipelines of 32 stages, 64 micro-batches each) the merge of a rerouted step takes 1.2-1.7 s. Callers copy
     the lists they change."""
-    # the merge does not depend on the predicted step, which a rerouting sets after simulating its lists
-    zeroed = dataclasses.replace(plan, iteration_time_s=0.0)
-    return _merged(zeroed, id(plan.extra), tensor_rank, train, pipelines)
+    return _merged(*_cache_key(plan), tensor_rank, train, pipelines)
+
+
+def _cache_key(plan: Plan) -> tuple[Plan, int]:
+    """How :func:`_merged` and :func:`_step_memory` know a plan: with its predicted step zeroed (the merge
+    does not depend on it; a rerouting sets it after simulating the lists) and the identity of its planner
+    inputs (``plan.extra``, which the merge weighs memory by and a plan's equality leaves out)."""
+    return dataclasses.replace(plan, iteration_time_s=0.0), id(plan.extra)
 
 
 @functools.lru_cache(maxsize=2)
 def _merged(
     plan: Plan, inputs: int, tensor_rank: int, train: bool, pipelines: frozenset[int] | None
 ) -> tuple[Schedule, dict[Worker, int], float]:
-    """:func:`_merge_routes`, cached: ``plan`` comes with its predicted step zeroed; ``inputs``: the identity
-    of its planner inputs (``plan.extra``), which the merge weighs memory by and a plan's equality leaves
-    out."""
+    """:func:`_merge_routes`, cached by :func:`_cache_key`."""
     parts = []
     limits: dict[Worker, int] = {}
     starts = list(itertools.accumulate((p.microbatches for p in plan.pipelines), initial=0))
@@ -325,7 +328,7 @@ def peak_memory_bytes(plan: Plan, pipelines: frozenset[int] | None = None) -> di
 
 @functools.lru_cache(maxsize=2)
 def _step_memory(plan: Plan, inputs: int) -> _StepMemory | None:
-    """The step memory of ``plan`` (keyed as :func:`_merged`), made once for the merge and the count;
+    """The step memory of ``plan`` (cached by :func:`_cache_key`), made once for the merge and the count;
     ``None`` for a plan without its planner inputs (made by hand)."""
     try:
         return _StepMemory(plan)

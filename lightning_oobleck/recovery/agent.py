@@ -301,6 +301,7 @@ class WorkerAgent:
         if self._thread is not None:
             self._thread.join(timeout=2 * self.heartbeat_interval + 1.0)
         self._sock.close()
+        ends_by = time.monotonic() + HOSTED_END_TIMEOUT_S
         if finished and self._hosting is not None:  # the hosted process may be the active coordinator now
             self._hosting.join(HOSTED_END_TIMEOUT_S)
         hosted = self._hosted
@@ -308,7 +309,7 @@ class WorkerAgent:
             # the active coordinator, which this process started as a standby: it serves the others until
             # the training is over everywhere (a standby only waits to take over: it ends with this process)
             try:
-                hosted.wait(HOSTED_END_TIMEOUT_S)
+                hosted.wait(max(0.0, ends_by - time.monotonic()))
             except subprocess.TimeoutExpired:
                 hosted.kill()
 
