@@ -26,28 +26,39 @@ rerouted step (one failure, the first plan), rerouted micro-batches hatched.
 ``--sweep M ...`` runs nothing: the cost model's throughput after one failure under both policies, for each
 schedule, ``--pipelines`` and micro-batches per pipeline in ``M``: where rerouting can win, and by how much.
 
+``--third-way GB_S ...`` runs nothing either: Odyssey's third way (reroute at once, re-instantiate once a
+background copy has caught up), predicted on the 64-node x 8-GPU job of ``planner_latency.py --rerouting`` for
+each link bandwidth in ``GB_S``: the seconds of training it wins per failure with a copy free to ignore the
+steps it spans and with an exact one, which carries each step's gradients of the moved layers too; and the
+most a staggered optimizer that keeps the step commit would save there.
+
     python benchmarks/failure_throughput.py [--pipelines 4 6] [--microbatches 4] [--layer-ms 5]
         [--schedule zb-h1] [--layer-state-gb 2] [--horizon-s 60] [--steps 4] [--plot PATH]
     python benchmarks/failure_throughput.py --sweep 1 2 3 4 8 [--pipelines 4 5 6]
+    python benchmarks/failure_throughput.py --third-way 0.1 0.3 0.5 1 2 5 10 25
 """
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
+import math
 import time
 from datetime import timedelta
 from typing import Any
 
 import torch
 import torch.distributed as dist
+from planner_latency import REROUTING_JOB  # benchmarks/ is the script's directory
 from rich.console import Console
 from rich.table import Table
-from schedules import COLORS, draw_actions, loss, spawn  # benchmarks/ is the script's directory
+from schedules import COLORS, draw_actions, loss, spawn
 from torch.distributed import TCPStore
 
+from lightning_oobleck.config import load_config
 from lightning_oobleck.execution import PipelineEngine, ProcessGroups
 from lightning_oobleck.planning import ClusterSpec, Plan, make_plan
+from lightning_oobleck.planning.config import PlannerConfig
 from lightning_oobleck.planning.planner import PlannerInputs
 from lightning_oobleck.planning.reconfigure import after_failures, copy_time_s
 from lightning_oobleck.planning.rerouting import (
@@ -203,10 +214,16 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=4)
     parser.add_argument("--plot", help="write the timeline of a rerouted step (PNG) here")
     parser.add_argument("--sweep", type=int, nargs="+", help="micro-batches per pipeline: predictions only")
+    parser.add_argument(
+        "--third-way", type=float, nargs="+", help="link bandwidths (GB/s): Odyssey's third way, predicted"
+    )
     args = parser.parse_args()
     console = Console(width=200)
     if args.sweep:
         sweep(args, console)
+        return
+    if args.third_way:
+        third_way(args, console)
         return
     table = Table(
         title=f"Throughput after failures: 4-stage pipelines of {args.microbatches} micro-batches, "
@@ -350,6 +367,67 @@ def sweep(args: argparse.Namespace, console: Console) -> None:
                     row += [f"{before / again:.3f}", f"{before / rerouted:.3f}", f"{again / rerouted:.3f}"]
                 table.add_row(*row, f"{(len(plan.nodes) - 1) / len(plan.nodes):.3f}")
     console.print(table)
+
+
+def third_way(args: argparse.Namespace, console: Console) -> None:
+    """Odyssey's third way (reroute at once, re-instantiate once a background copy has caught up) against
+    re-instantiating at once, on the 64-node x 8-GPU job of ``oobleck simulate``'s example (the plan of
+    ``planner_latency.py --rerouting``) after losing node 2, per link bandwidth; and the most that a
+    staggered optimizer which keeps the step commit could save there."""
+    job = load_config(PlannerConfig, None, [f"{key}={value}" for key, value in REROUTING_JOB.items()])
+    plan = job.make_plan(job.load_profile())
+    failed = [2]
+    again = after_failures(plan, failed)
+    reinstantiated, rerouted = choose_recovery(plan, failed, "reroute").candidates
+    t_a, t_b = reinstantiated.step_s, rerouted.step_s
+    inputs = PlannerInputs.from_plan(plan)
+    cost = inputs.cost()
+    table = Table(
+        title=f"Odyssey's third way on 64 nodes x 8 GPUs, node 2 lost: re-instantiated {t_a:.2f} s/step, "
+        f"rerouted {t_b:.2f} s/step; gain = seconds of training won per failure against re-instantiating at "
+        "once (cost model, no processes)"
+    )
+    for column in (
+        "link GB/s",
+        "copy s",
+        "catch-up s/step",
+        "free copy: steps rerouted",
+        "gain s",
+        "exact copy: steps rerouted",
+        "gain s",
+    ):
+        table.add_column(column, justify="right")
+    for gb_s in args.third_way:
+        copy_s = copy_time_s(again.copies, inputs, gb_s * 1e9 / inputs.cluster.inter_node_bandwidth)
+        # Each rerouted step changes the state being copied: an exact copy also carries that step's
+        # gradients of the moved layers, striped like the copy, parameter_bytes a layer of its state's
+        # parameter_bytes * state_factor.
+        catch_up_s = copy_s / cost.state_factor
+        free = math.ceil(copy_s / t_b)
+        exact = math.ceil(copy_s / (t_b - catch_up_s)) if catch_up_s < t_b else None
+        table.add_row(
+            f"{gb_s:g}",
+            f"{copy_s:.1f}",
+            f"{catch_up_s:.2f}",
+            str(free),
+            f"{copy_s - free * (t_b - t_a):.1f}",
+            "never done" if exact is None else str(exact),
+            "" if exact is None else f"{copy_s - exact * (t_b - t_a):.1f}",
+        )
+    console.print(table)
+    stage_bytes = [
+        sum(inputs.profile.layers[layer].parameter_bytes for layer in stage.layers) / plan.tensor_parallel
+        for pipeline in plan.pipelines
+        for stage in pipeline.stages
+    ]
+    step_s = predict_step_s(plan)
+    optimizer_s = float(cost.optimizer_step_s(max(stage_bytes)))
+    console.print(
+        f"A staggered optimizer that keeps the commit (each worker updates once its layers' gradients are "
+        f"reduced, then waits for the commit) takes at most the largest stage's optimizer step off a step: "
+        f"{optimizer_s * 1e3:.1f} ms of {step_s:.2f} s ({optimizer_s / step_s:.3%}), and an exact rollback "
+        "needs a copy of the same state made before every update."
+    )
 
 
 def _first(results: dict[int, Any], key: str) -> int:
