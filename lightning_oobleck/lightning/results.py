@@ -26,6 +26,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 from lightning.fabric.utilities import move_data_to_device
+from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.trainer.states import TrainerFn, TrainerState
 
 if TYPE_CHECKING:
@@ -43,7 +44,9 @@ class WorkerResult:
     fit_loop_state: dict[str, Any] | None = None
     """``trainer.fit_loop.state_dict()``: progress, so ``global_step`` and ``current_epoch`` come back."""
     callback_metrics: dict[str, torch.Tensor] | None = None
-    best_model_path: str | None = None
+    callback_states: dict[str, dict[str, Any]] | None = None
+    """Each callback's ``state_dict()`` by its ``state_key``, as a checkpoint holds them: the best
+    checkpoints' paths and scores, early stopping's epoch, the user's own callbacks' state."""
 
 
 def result_path(workdir: Path, rank: int) -> Path:
@@ -78,14 +81,15 @@ def write_worker_result(workdir: Path, rank: int, value: Any, trainer: pl.Traine
     state_dict = trainer.strategy.lightning_module_state_dict()
     if fitting:
         _save_atomically(move_data_to_device(state_dict, "cpu"), weights_path(workdir, rank))
-    checkpoint_callback = trainer.checkpoint_callback
     result = WorkerResult(
         rank=rank,
         value=move_data_to_device(value, "cpu"),
         trainer_state=trainer.state,
         fit_loop_state=trainer.fit_loop.state_dict() if fitting else None,
         callback_metrics=move_data_to_device(dict(trainer.callback_metrics), "cpu"),
-        best_model_path=getattr(checkpoint_callback, "best_model_path", None),
+        callback_states=move_data_to_device(
+            {callback.state_key: callback.state_dict() for callback in trainer.callbacks}, "cpu"
+        ),
     )
     _save_atomically(result, result_path(workdir, rank))
 
@@ -140,9 +144,17 @@ def collect_layers(workdir: Path, ranks: Iterable[int]) -> dict[str, torch.Tenso
 def restore_in_main_process(
     trainer: pl.Trainer, result: WorkerResult, weights: dict[str, torch.Tensor]
 ) -> None:
-    """Give the caller's Trainer the survivor's state, metrics, loop progress and the merged weights."""
-    if trainer.checkpoint_callback is not None and result.best_model_path is not None:
-        trainer.checkpoint_callback.best_model_path = result.best_model_path  # type: ignore[attr-defined]
+    """Give the caller's Trainer the survivor's state, metrics, loop progress, callbacks' state and the
+    merged weights."""
+    states = result.callback_states or {}
+    for callback in trainer.callbacks:
+        if (state := states.get(callback.state_key)) is None:
+            continue
+        if isinstance(callback, ModelCheckpoint) and callback.dirpath is None:
+            # The directory was resolved in the workers' setup; the caller's callback never ran one, and
+            # loads the rest of its state only for the directory it was saved for.
+            callback.dirpath = state.get("dirpath")
+        callback.load_state_dict(state)
     if weights:
         incompatible = trainer.lightning_module.load_state_dict(weights, strict=False)
         if incompatible.missing_keys or incompatible.unexpected_keys:

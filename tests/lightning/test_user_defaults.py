@@ -23,10 +23,12 @@ import time
 from collections.abc import Callable
 from dataclasses import replace
 from pathlib import Path
+from typing import Any
 
 import lightning as L
 import pytest
 import torch
+from lightning.pytorch.callbacks import EarlyStopping, LearningRateMonitor, ModelCheckpoint
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
@@ -531,6 +533,100 @@ def assert_validate_and_test_equal_one_device(
     expected = single.validate(module(), data(seed=1, workers=0), ckpt_path=consolidated)
     assert validated[0]["val_loss"] == pytest.approx(expected[0]["val_loss"], rel=0, abs=1e-9)
     assert tested[0]["test_loss"] == pytest.approx(expected[0]["val_loss"], rel=0, abs=1e-9)
+
+
+class OnAPlateau(Regressor):
+    """The learning rate halved whenever ``val_loss`` does not improve (the scheduler Lightning steps with
+    a monitored metric)."""
+
+    def configure_optimizers(self) -> dict:
+        optimizer = torch.optim.AdamW(self.parameters(), lr=5e-2)
+        plateau = torch.optim.lr_scheduler.ReduceLROnPlateau(optimizer, factor=0.5, patience=0)
+        return {"optimizer": optimizer, "lr_scheduler": {"scheduler": plateau, "monitor": "val_loss"}}
+
+
+def fit_with_the_callbacks_users_add(
+    root: Path, more: list[L.Callback], **trainer: Any
+) -> tuple[L.Trainer, OnAPlateau]:
+    """Early stopping, the best two checkpoints and the last, the learning rate logged every step, validation
+    twice an epoch, the training loader's own order (``use_distributed_sampler=False``: under a distributed
+    strategy Lightning shuffles training loaders, one device does not); ``trainer`` names the strategy and
+    devices, ``more`` adds callbacks."""
+    module = OnAPlateau()
+    run = L.Trainer(
+        default_root_dir=root,
+        max_epochs=12,
+        val_check_interval=4,
+        log_every_n_steps=1,
+        use_distributed_sampler=False,
+        precision="64-true",
+        callbacks=[
+            EarlyStopping("val_loss", patience=2),
+            ModelCheckpoint(monitor="val_loss", save_top_k=2, save_last=True),
+            LearningRateMonitor("step"),
+            *more,
+        ],
+        **trainer,
+    )
+    x = torch.randn(128, 8, generator=torch.Generator().manual_seed(0))
+    train = DataLoader(TensorDataset(x, x.sum(1, keepdim=True).sin()), batch_size=16, num_workers=1)
+    run.fit(module, train, data(seed=1, workers=0))
+    return run, module
+
+
+@pytest.mark.timeout(240)
+@pytest.mark.slow
+def test_early_stopping_best_checkpoints_and_a_plateau_schedule_equal_one_device(tmp_path: Path) -> None:
+    """The callbacks users add, each deciding from the metrics the pipelines compute, decide as on one
+    device, rank 0 SIGKILLed at step 10 included: the run stops at the same step, with the same learning
+    rates, the same weights, and the same best checkpoints, whose weights are one device's; the caller's
+    Trainer gets the callbacks' state back from a survivor."""
+    strategy = OobleckStrategy(microbatch_size=2, planner={"cluster": {"device_memory_bytes": 75_000}})
+    pipelines, trained = fit_with_the_callbacks_users_add(
+        tmp_path / "pipelines", [KillAt(0, 10)], strategy=strategy, devices=4
+    )
+    # Lightning's own summary on one device would run the float32 example_input_array in float64 layers
+    one, expected = fit_with_the_callbacks_users_add(
+        tmp_path / "one", [], strategy="auto", devices=1, enable_model_summary=False
+    )
+
+    assert 0 < pipelines.global_step == one.global_step < 12 * 8  # stopped early, at the same step
+    assert_same_weights(dict(trained.state_dict()), dict(expected.state_dict()))
+
+    def logged(root: Path) -> list[tuple[str, str]]:
+        lines = (root / "lightning_logs" / "version_0" / "metrics.csv").read_text().splitlines()
+        header = lines[0].split(",")
+        rows = [dict(zip(header, line.split(","), strict=True)) for line in lines[1:]]
+        return [(row["step"], row["lr-AdamW"]) for row in rows if row["lr-AdamW"]]
+
+    rates = logged(tmp_path / "one")
+    assert len({rate for _, rate in rates}) > 1  # the plateau lowered the rate
+    assert logged(tmp_path / "pipelines") == rates
+
+    # The callbacks' state comes back to the caller's Trainer, the checkpoints' paths in the run's directory.
+    def callbacks(trainer: L.Trainer, root: Path) -> dict[str, Any]:
+        saved, stopped = trainer.checkpoint_callback, trainer.early_stopping_callback
+        files = {
+            "in": sorted(p.name for p in Path(saved.dirpath).iterdir()),
+            "best": Path(saved.best_model_path).relative_to(root),
+            "best k": sorted(Path(path).relative_to(root) for path in saved.best_k_models),
+            "last": Path(saved.last_model_path).relative_to(root),
+            "stopped": (stopped.stopped_epoch, stopped.wait_count),
+        }
+        scores = [float(saved.best_model_score), float(stopped.best_score)]
+        return files, sorted(map(float, saved.best_k_models.values())) + scores
+
+    (files, scores), (expected_files, expected_scores) = (
+        callbacks(pipelines, tmp_path / "pipelines"),
+        callbacks(one, tmp_path / "one"),
+    )
+    assert files == expected_files
+    assert scores == pytest.approx(expected_scores, rel=0, abs=1e-9)
+    assert len(files["in"]) == 3 and files["stopped"][0] > 0  # the best two, last.ckpt; stopped early
+    best = Path(pipelines.checkpoint_callback.best_model_path)
+    consolidated = torch.load(consolidate_checkpoint(best, tmp_path / "best.ckpt"), weights_only=False)
+    reference = torch.load(one.checkpoint_callback.best_model_path, weights_only=False)
+    assert_same_weights(consolidated["state_dict"], reference["state_dict"])
 
 
 # The user's script of the console test: python test_user_defaults.py OUT [--kill-rank-0-at-step-3]
