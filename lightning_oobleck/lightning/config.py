@@ -29,7 +29,9 @@ class OobleckConfig:
 
     global_batch_size: int | None = None
     """Samples per optimizer step, over all pipelines, fixed whatever the layout. ``None``: the training
-    DataLoader's ``batch_size`` (the batch the model would see on one device)."""
+    DataLoader's ``batch_size`` (the batch the model would see on one device), or, for a DataModule that
+    makes its loaders in ``setup()``, the ``batch_size`` attribute or hyperparameter of the DataModule or
+    the module (Lightning's convention)."""
     microbatch_size: int | None = None
     """Samples per micro-batch; must divide ``global_batch_size``. ``None``: the largest divisor that gives
     every process at least two micro-batches per step."""
@@ -191,7 +193,9 @@ class OobleckConfig:
         if big_b is None:
             raise ValueError(
                 "the oobleck strategy needs a fixed global batch size and found no training DataLoader "
-                "batch_size to take it from: Trainer(strategy=OobleckStrategy(global_batch_size=64))"
+                "batch_size to take it from (a DataModule makes its loaders after the plan is made): "
+                "Trainer(strategy=OobleckStrategy(global_batch_size=64)), or a batch_size attribute or "
+                "hyperparameter on your DataModule"
             )
         b = self.microbatch_size
         if b is None:

@@ -37,6 +37,7 @@ from lightning.pytorch.plugins.precision import MixedPrecision, Precision
 from lightning.pytorch.strategies import ParallelStrategy
 from lightning.pytorch.strategies.strategy import TBroadcast
 from lightning.pytorch.trainer.states import TrainerFn
+from lightning.pytorch.utilities.parsing import lightning_getattr, lightning_hasattr
 from lightning.pytorch.utilities.rank_zero import rank_zero_only, rank_zero_warn
 from torch import Tensor
 from torch.optim import Optimizer
@@ -464,8 +465,12 @@ class OobleckStrategy(ParallelStrategy, PipelineExecutor):
         return super().lightning_module_state_dict()
 
     def _loader_batch_size(self) -> int | None:
-        """``batch_size`` of the DataLoader this run trains (or evaluates) on, if it can be had yet."""
-        trainer = self.lightning_module.trainer
+        """``batch_size`` of the DataLoader this run trains (or evaluates) on, if it can be had yet; else
+        (a DataModule makes its loaders in ``setup()``, which Lightning calls after the plan is needed) the
+        ``batch_size`` attribute or hyperparameter of the module or its DataModule, Lightning's convention
+        (its batch-size finder's)."""
+        module = self.lightning_module
+        trainer = module.trainer
         loop = {
             TrainerFn.FITTING: trainer.fit_loop,
             TrainerFn.VALIDATING: trainer.validate_loop,
@@ -474,9 +479,11 @@ class OobleckStrategy(ParallelStrategy, PipelineExecutor):
         source = loop_data_source(loop)
         try:
             loader = source.dataloader() if source is not None and source.is_defined() else None
-        except Exception:  # a DataModule may need its setup() first: then the size must be configured
-            return None
-        return getattr(loader, "batch_size", None)
+        except Exception:  # a DataModule's loader before its setup()
+            loader = None
+        if (size := getattr(loader, "batch_size", None)) is not None:
+            return size
+        return lightning_getattr(module, "batch_size") if lightning_hasattr(module, "batch_size") else None
 
     def _planner(self, module: PipelineModule) -> JobPlanner:
         """What makes this job's plan, on the worker that plans it."""

@@ -535,6 +535,41 @@ def assert_validate_and_test_equal_one_device(
     assert tested[0]["test_loss"] == pytest.approx(expected[0]["val_loss"], rel=0, abs=1e-9)
 
 
+class Data(L.LightningDataModule):
+    """The loaders of :func:`data`, made in ``setup()`` as DataModules make them, after the strategy needs the
+    global batch size: it comes from the ``batch_size`` hyperparameter (Lightning's convention)."""
+
+    def __init__(self, batch_size: int | None = 16) -> None:
+        super().__init__()
+        self.save_hyperparameters()
+
+    def setup(self, stage: str) -> None:
+        self.loaders = (data(), data(seed=1, workers=0))
+
+    def train_dataloader(self) -> DataLoader:
+        return self.loaders[0]
+
+    def val_dataloader(self) -> DataLoader:
+        return self.loaders[1]
+
+
+@pytest.mark.timeout(240)
+def test_a_datamodule_trains_the_same_weights_with_its_batch_size_as_the_global_batch(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, uninterrupted: dict[str, torch.Tensor]
+) -> None:
+    monkeypatch.chdir(tmp_path)
+    strategy = OobleckStrategy(microbatch_size=2, planner={"cluster": {"device_memory_bytes": 75_000}})
+    trainer = L.Trainer(strategy=strategy, devices=4, max_steps=8, precision="64-true")
+    module = Regressor()
+    trainer.fit(module, datamodule=Data())
+    assert_same_weights(dict(module.state_dict()), uninterrupted)  # global batches of 16, in the same order
+
+    # Without a batch size to take, one error that names both fixes, before any worker starts training.
+    trainer = L.Trainer(strategy=OobleckStrategy(), devices=2, max_steps=8, precision="64-true")
+    with pytest.raises(ValueError, match=r"global_batch_size=64\)\), or a batch_size attribute"):
+        trainer.fit(Regressor(), datamodule=Data(batch_size=None))
+
+
 class OnAPlateau(Regressor):
     """The learning rate halved whenever ``val_loss`` does not improve (the scheduler Lightning steps with
     a monitored metric)."""
