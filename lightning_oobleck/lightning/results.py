@@ -18,7 +18,9 @@ from __future__ import annotations
 
 import contextlib
 import os
+import pickle
 import traceback
+import warnings
 from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
@@ -87,11 +89,28 @@ def write_worker_result(workdir: Path, rank: int, value: Any, trainer: pl.Traine
         trainer_state=trainer.state,
         fit_loop_state=trainer.fit_loop.state_dict() if fitting else None,
         callback_metrics=move_data_to_device(dict(trainer.callback_metrics), "cpu"),
-        callback_states=move_data_to_device(
-            {callback.state_key: callback.state_dict() for callback in trainer.callbacks}, "cpu"
-        ),
+        callback_states=_callback_states(trainer),
     )
     _save_atomically(result, result_path(workdir, rank))
+
+
+def _callback_states(trainer: pl.Trainer) -> dict[str, dict[str, Any]]:
+    """Each callback's state on CPU; one that cannot be pickled stays behind with a warning (a finished
+    training must not fail over it)."""
+    states = {}
+    for callback in trainer.callbacks:
+        state = move_data_to_device(callback.state_dict(), "cpu")
+        try:
+            pickle.dumps(state)
+        except Exception as e:
+            warnings.warn(
+                f"the state of callback {callback.state_key} does not come back to the caller's Trainer: its "
+                f"state_dict() cannot be pickled ({e})",
+                stacklevel=1,
+            )
+            continue
+        states[callback.state_key] = state
+    return states
 
 
 def write_worker_error(workdir: Path, rank: int, error: BaseException) -> None:

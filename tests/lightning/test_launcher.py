@@ -336,3 +336,23 @@ def test_a_script_without_the_main_guard_ends_in_one_error_that_names_the_fix(
         "to find its classes, so put the code that builds the Trainer and calls fit under "
         '`if __name__ == "__main__":` (as in the README\'s example)'
     )
+
+
+def test_a_callback_state_that_cannot_be_pickled_stays_behind_with_a_warning():
+    """A finished worker hands its callbacks' state back to the caller's Trainer; one whose state_dict()
+    cannot be pickled must not fail the finished training: it stays behind, said once, the others go."""
+    import lightning as L
+    from lightning.pytorch.callbacks import EarlyStopping
+
+    from lightning_oobleck.lightning.results import _callback_states
+
+    class Unpicklable(L.Callback):
+        def state_dict(self) -> dict:
+            return {"score": lambda: 0.0}
+
+    stopping = EarlyStopping("val_loss", patience=3)
+    trainer = L.Trainer(callbacks=[Unpicklable(), stopping], logger=False, enable_progress_bar=False)
+    with pytest.warns(UserWarning, match=r"callback \S*Unpicklable does not come back.*cannot be pickled"):
+        states = _callback_states(trainer)
+    assert not [key for key in states if key.endswith("Unpicklable")]
+    assert states[stopping.state_key]["patience"] == 3
