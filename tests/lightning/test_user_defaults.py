@@ -29,12 +29,14 @@ import lightning as L
 import pytest
 import torch
 from lightning.pytorch.callbacks import EarlyStopping, LearningRateMonitor, ModelCheckpoint
+from lightning.pytorch.utilities.model_summary import ModelSummary
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_oobleck import OobleckStrategy, PipelineModule, consolidate_checkpoint
 from lightning_oobleck.execution import PeerFailure, profile_layers
 from lightning_oobleck.lightning.callbacks import KillAt
+from lightning_oobleck.lightning.summary import PipelineSummary
 from lightning_oobleck.lightning.units import EVENTS_FILE, CheckpointError
 from lightning_oobleck.planning import ClusterSpec, make_plan, reroute
 from lightning_oobleck.planning.profile import ModelProfile
@@ -533,6 +535,34 @@ def assert_validate_and_test_equal_one_device(
     expected = single.validate(module(), data(seed=1, workers=0), ckpt_path=consolidated)
     assert validated[0]["val_loss"] == pytest.approx(expected[0]["val_loss"], rel=0, abs=1e-9)
     assert tested[0]["test_loss"] == pytest.approx(expected[0]["val_loss"], rel=0, abs=1e-9)
+
+
+class KeepsThePositive(Regressor):
+    """A layer whose output shape depends on its input's values: no forward on the meta device."""
+
+    def configure_layers(self) -> list[nn.Module]:
+        return [*super().configure_layers(), Positive()]
+
+
+class Positive(nn.Module):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x[x > 0]
+
+
+def test_the_model_summary_counts_the_whole_model_as_one_device_does() -> None:
+    """The summary every worker prints (meta layers, the FLOPs of ``example_input_array`` counted on the
+    meta device) and Lightning's own on one device (the layers materialised) agree."""
+    one = Regressor()
+    one.configure_model()
+    expected = ModelSummary(one, max_depth=1)
+    whole = PipelineSummary(Regressor(), max_depth=1)
+    totals = ("total_parameters", "trainable_parameters", "total_flops", "total_training_modes")
+    assert [getattr(whole, total) for total in totals] == [getattr(expected, total) for total in totals]
+    assert whole.total_flops == 2 * (8 * 32 + 2 * 32 * 32 + 32)  # the four Linear layers, one sample
+    assert [flops.strip() for flops in dict(whole.rows())["FLOPs"]] == ["512", "2.0 K", "2.0 K", "64"]
+    # a forward that needs real values: FLOPs not counted, said as Lightning says it (n/a), nothing raised
+    assert PipelineSummary(KeepsThePositive(), max_depth=1).total_flops == 0
+    assert dict(PipelineSummary(KeepsThePositive(), max_depth=1).rows())["FLOPs"] == ["n/a"] * 5
 
 
 class Data(L.LightningDataModule):
