@@ -216,11 +216,39 @@ def load_sharded_model(path: str | Path, module: nn.Module) -> None:
 
 
 def load_sharded_optimizers(path: str | Path, module: nn.Module, optimizers: Iterable[Optimizer]) -> None:
-    """Restore each optimizer's state and hyper-parameters for the parameters it holds now."""
+    """Restore each optimizer's state and hyper-parameters for the parameters it holds now.
+
+    As torch's ``Optimizer.load_state_dict``, a parameter group takes the saved group's hyper-parameters:
+    those it has and the checkpoint does not (an LR scheduler's ``initial_lr``, added since the save, as
+    Lightning's learning-rate finder does before it restores its checkpoint) are dropped, the saved ones
+    it lacks are added."""
     optimizers = list(optimizers)
+    _take_saved_hyperparameters(path, module, optimizers)
     state = get_optimizer_state_dict(module, optimizers, options=_OPTIONS)
     _load_by_layer(path, "optim", state, _canonical_names(module))
     set_optimizer_state_dict(module, optimizers, state, options=_OPTIONS)
+
+
+def _take_saved_hyperparameters(path: str | Path, module: nn.Module, optimizers: list[Optimizer]) -> None:
+    """Give each parameter group the hyper-parameter names the checkpoint saved for its parameters (the
+    values follow with the load); a group whose parameters it lacks is left to the load's error."""
+    prefix = "optim.param_groups."
+    saved: dict[str, set[str]] = {}
+    for shard in sorted((Path(path) / SHARDS_DIR).iterdir()):
+        for key in FileSystemReader(shard).read_metadata().state_dict_metadata:
+            if key.startswith(prefix):
+                name, hyperparameter = key.removeprefix(prefix).rsplit(".", 1)
+                saved.setdefault(name, set()).add(hyperparameter)
+    canonical = _canonical_names(module)
+    names = {param: name for name, param in module.named_parameters()}
+    for optimizer in optimizers:
+        for group in optimizer.param_groups:
+            if (wanted := saved.get(canonical(names[group["params"][0]]))) is None:
+                continue
+            for extra in set(group) - wanted - {"params"}:
+                del group[extra]
+            for missing in wanted - set(group):
+                group[missing] = None  # a placeholder the load replaces
 
 
 def load_metadata(path: str | Path) -> dict[str, Any]:

@@ -215,6 +215,31 @@ def test_load_into_one_process_holding_every_layer(saved: Path):
     assert load_metadata(saved / "by-rule") == METADATA
 
 
+@pytest.mark.timeout(60)
+def test_a_group_takes_the_saved_hyperparameters_as_torch_loads_them(saved: Path, tmp_path: Path):
+    """A scheduler made since the save (``initial_lr``, as Lightning's learning-rate finder adds before it
+    restores its checkpoint) and one saved but not made now: the groups end as torch's own
+    ``Optimizer.load_state_dict`` leaves them, the saved group's hyper-parameters."""
+    shard = Shard(range(NUM_LAYERS), seed=999)
+    optimizer = make_optimizer(shard, lr=0.5)
+    torch.optim.lr_scheduler.StepLR(optimizer, step_size=1)  # adds initial_lr = 0.5 and 1.0 to the groups
+    load_sharded(saved / "by-rule", shard, [optimizer])
+    assert_same_state(shard, optimizer, TRAIN_STEPS)  # no initial_lr: the saved groups had none
+
+    torch.optim.lr_scheduler.StepLR(optimizer, step_size=1)
+    write_shard(tmp_path / "with-initial-lr", shard, [optimizer], "s0")
+    write_metadata(tmp_path / "with-initial-lr", METADATA, {layer: "s0" for layer in range(NUM_LAYERS)})
+    fresh = Shard(range(NUM_LAYERS), seed=999)
+    loaded, expected = make_optimizer(fresh), make_optimizer(Shard(range(NUM_LAYERS), seed=999))
+    load_sharded(tmp_path / "with-initial-lr", fresh, [loaded])
+    expected.load_state_dict(optimizer.state_dict())
+    for group, want in zip(loaded.param_groups, expected.param_groups, strict=True):
+        assert {k: v for k, v in group.items() if k != "params"} == {
+            k: v for k, v in want.items() if k != "params"
+        }
+        assert group["initial_lr"] in (0.01, 0.02)  # the saved value, from the first restore's lr
+
+
 def test_not_a_checkpoint_is_a_clear_error(tmp_path: Path):
     with pytest.raises(FileNotFoundError, match="not a sharded Oobleck checkpoint"):
         load_metadata(tmp_path)
