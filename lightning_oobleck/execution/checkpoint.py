@@ -123,7 +123,7 @@ def write_shard(
     optimizers = list(optimizers)
     state = {"model": get_model_state_dict(module, options=_OPTIONS)}
     if optimizers:
-        state["optim"] = get_optimizer_state_dict(module, optimizers, options=_OPTIONS)
+        state["optim"] = _optimizer_state_dict(module, optimizers)
     outside = [key for entries in state.values() for key in entries if layer_of(key) is None]
     if outside:
         raise ValueError(
@@ -218,37 +218,70 @@ def load_sharded_model(path: str | Path, module: nn.Module) -> None:
 def load_sharded_optimizers(path: str | Path, module: nn.Module, optimizers: Iterable[Optimizer]) -> None:
     """Restore each optimizer's state and hyper-parameters for the parameters it holds now.
 
-    As torch's ``Optimizer.load_state_dict``, a parameter group takes the saved group's hyper-parameters:
-    those it has and the checkpoint does not (an LR scheduler's ``initial_lr``, added since the save, as
-    Lightning's learning-rate finder does before it restores its checkpoint) are dropped, the saved ones
-    it lacks are added."""
+    As torch's ``Optimizer.load_state_dict``: a parameter group takes the saved group's hyper-parameters
+    (those it has and the checkpoint does not, an LR scheduler's ``initial_lr`` added since the save as
+    Lightning's learning-rate finder adds it before it restores its checkpoint, are dropped; the saved ones
+    it lacks are added), and a parameter saved without state (its optimizer had not stepped) has none."""
     optimizers = list(optimizers)
-    _take_saved_hyperparameters(path, module, optimizers)
-    state = get_optimizer_state_dict(module, optimizers, options=_OPTIONS)
-    _load_by_layer(path, "optim", state, _canonical_names(module))
-    set_optimizer_state_dict(module, optimizers, state, options=_OPTIONS)
-
-
-def _take_saved_hyperparameters(path: str | Path, module: nn.Module, optimizers: list[Optimizer]) -> None:
-    """Give each parameter group the hyper-parameter names the checkpoint saved for its parameters (the
-    values follow with the load); a group whose parameters it lacks is left to the load's error."""
-    prefix = "optim.param_groups."
-    saved: dict[str, set[str]] = {}
-    for shard in sorted((Path(path) / SHARDS_DIR).iterdir()):
-        for key in FileSystemReader(shard).read_metadata().state_dict_metadata:
-            if key.startswith(prefix):
-                name, hyperparameter = key.removeprefix(prefix).rsplit(".", 1)
-                saved.setdefault(name, set()).add(hyperparameter)
+    hyperparameters, stateful = _saved_optimizer_entries(path)
     canonical = _canonical_names(module)
-    names = {param: name for name, param in module.named_parameters()}
+    names = {param: canonical(name) for name, param in module.named_parameters()}
     for optimizer in optimizers:
         for group in optimizer.param_groups:
-            if (wanted := saved.get(canonical(names[group["params"][0]]))) is None:
-                continue
+            if (wanted := hyperparameters.get(names[group["params"][0]])) is None:
+                continue  # its parameters are not in the checkpoint: the load says so
             for extra in set(group) - wanted - {"params"}:
                 del group[extra]
             for missing in wanted - set(group):
                 group[missing] = None  # a placeholder the load replaces
+    state = get_optimizer_state_dict(module, optimizers, options=_OPTIONS)
+    stateless = [param for param, name in names.items() if name in hyperparameters and name not in stateful]
+    saved = _without_state_of(state, module, stateless)
+    _load_by_layer(path, "optim", saved, canonical)
+    # torch loads the state it made for the template where nothing was saved; then it is forgotten
+    set_optimizer_state_dict(module, optimizers, {**state, **saved}, options=_OPTIONS)
+    _forget_state(optimizers, stateless)
+
+
+def _optimizer_state_dict(module: nn.Module, optimizers: list[Optimizer]) -> dict[str, Any]:
+    """torch's flattened state dict of ``optimizers``, without its side effect on one that has not stepped:
+    torch makes the state of such an optimizer with a step of zero gradients (Adam's step count 1, its
+    moments zero), and a run that saved before its first update would then train otherwise than one that
+    did not. Its state stays empty, and the dict holds its hyper-parameters only, as ``state_dict()`` does."""
+    fresh = [optimizer for optimizer in optimizers if not optimizer.state]
+    state = get_optimizer_state_dict(module, optimizers, options=_OPTIONS)
+    params = [param for optimizer in fresh for group in optimizer.param_groups for param in group["params"]]
+    _forget_state(fresh, params)
+    return _without_state_of(state, module, params)
+
+
+def _saved_optimizer_entries(path: str | Path) -> tuple[dict[str, set[str]], set[str]]:
+    """From the shards' metadata: each saved parameter's hyper-parameter names, and the parameters saved
+    with optimizer state."""
+    hyperparameters: dict[str, set[str]] = {}
+    stateful: set[str] = set()
+    for shard in sorted((Path(path) / SHARDS_DIR).iterdir()):
+        for key in FileSystemReader(shard).read_metadata().state_dict_metadata:
+            if key.startswith("optim.param_groups."):
+                name, hyperparameter = key.removeprefix("optim.param_groups.").rsplit(".", 1)
+                hyperparameters.setdefault(name, set()).add(hyperparameter)
+            elif key.startswith("optim.state."):
+                stateful.add(key.removeprefix("optim.state.").rsplit(".", 1)[0])
+    return hyperparameters, stateful
+
+
+def _forget_state(optimizers: list[Optimizer], params: list[nn.Parameter]) -> None:
+    for optimizer in optimizers:
+        for param in params:
+            optimizer.state.pop(param, None)
+
+
+def _without_state_of(state: dict[str, Any], module: nn.Module, params: list[nn.Parameter]) -> dict[str, Any]:
+    """``state`` (flattened) without the optimizer state of ``params``, under any of their names."""
+    ids = {id(param) for param in params}
+    named = module.named_parameters(remove_duplicate=False)
+    prefixes = tuple(f"state.{name}." for name, param in named if id(param) in ids)
+    return {key: value for key, value in state.items() if not (prefixes and key.startswith(prefixes))}
 
 
 def load_metadata(path: str | Path) -> dict[str, Any]:

@@ -36,6 +36,7 @@ from lightning.pytorch.strategies.launchers.launcher import _Launcher as Launche
 from lightning.pytorch.strategies.launchers.multiprocessing import _GlobalStateSnapshot as GlobalStateSnapshot
 from lightning.pytorch.trainer import call
 from lightning.pytorch.utilities.data import _is_dataloader_shuffled as is_dataloader_shuffled
+from lightning.pytorch.utilities.exceptions import _TunerExitException as TunerExit
 from lightning.pytorch.utilities.model_summary import ModelSummary as Summary
 
 CHECKED_ON = "2.6.6"
@@ -47,6 +48,7 @@ __all__ = [
     "GlobalStateSnapshot",
     "Launcher",
     "RowsSummary",
+    "TunerExit",
     "batch_to_device",
     "check_bad_cuda_fork",
     "check_missing_main_guard",

@@ -57,6 +57,7 @@ from lightning_oobleck.execution.faults import FAULTS_ENV
 from lightning_oobleck.lightning._internals import (
     GlobalStateSnapshot,
     Launcher,
+    TunerExit,
     check_bad_cuda_fork,
     check_missing_main_guard,
     disable_module_memory_sharing,
@@ -508,7 +509,10 @@ class OobleckLauncher(Launcher):
             log.warning("training finished on the survivors; lost workers: %s", _describe_lost(report))
         if trainer is not None:
             restore_in_main_process(trainer, result, collect_layers(workdir, report.finished))
-            self._already_fit |= trainer.state.fn == TrainerFn.FITTING
+            # the tuner's run restored the state it started from: the fit it prepares is the first
+            self._already_fit |= trainer.state.fn == TrainerFn.FITTING and not result.tuner_exit
+        if result.tuner_exit:
+            raise TunerExit  # Lightning ends the tuner's run in the caller's Trainer, as on one device
         return result.value
 
     def _reap(self, rank: int) -> int:
@@ -555,17 +559,20 @@ def _worker_main(
     # Lightning's rank-zero messages before the strategy knows the rank (its tips at the start) print once.
     rank_zero_only.rank = spec.rank
     show_warnings_on_rank_zero()
+    tuner_exit = False
     try:
         value = function(*args, **kwargs)
     except TrainingFinished:  # a replacement that found the training over: nothing to do, nothing lost
         close_process_agent()
         return
+    except TunerExit:  # Tuner.lr_find's run ended as it should: its result goes back, then the exit
+        value, tuner_exit = None, True
     except BaseException as error:
         close_process_agent(finished=False)  # lost, not finished: the peers recover without it
         write_worker_error(spec.workdir, spec.rank, error)
         sys.exit(1)  # the supervisor reports it, once (multiprocessing would print every worker's traceback)
     close_process_agent()  # the process ends here (without atexit handlers)
-    write_worker_result(spec.workdir, spec.rank, value, trainer)
+    write_worker_result(spec.workdir, spec.rank, value, trainer, tuner_exit)
 
 
 def _exit_if_importing_script() -> None:

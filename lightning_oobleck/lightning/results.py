@@ -28,8 +28,9 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 from lightning.fabric.utilities import move_data_to_device
-from lightning.pytorch.callbacks import ModelCheckpoint
+from lightning.pytorch.callbacks import LearningRateFinder, ModelCheckpoint
 from lightning.pytorch.trainer.states import TrainerFn, TrainerState
+from lightning.pytorch.utilities.parsing import lightning_getattr, lightning_hasattr, lightning_setattr
 
 if TYPE_CHECKING:
     import lightning.pytorch as pl
@@ -42,6 +43,9 @@ class WorkerResult:
     rank: int
     value: Any
     """The launched function's return value, on CPU."""
+    tuner_exit: bool = False
+    """The function ended with Lightning's exit of a tuner run (``Tuner.lr_find``), to be raised again in the
+    caller's Trainer once the results are back, as Lightning ends such a run."""
     trainer_state: TrainerState | None = None
     fit_loop_state: dict[str, Any] | None = None
     """``trainer.fit_loop.state_dict()``: progress, so ``global_step`` and ``current_epoch`` come back."""
@@ -49,6 +53,15 @@ class WorkerResult:
     callback_states: dict[str, dict[str, Any]] | None = None
     """Each callback's ``state_dict()`` by its ``state_key``, as a checkpoint holds them: the best
     checkpoints' paths and scores, early stopping's epoch, the user's own callbacks' state."""
+    lr_finders: tuple[Any, ...] = ()
+    """Each ``LearningRateFinder``'s result (``optimal_lr``: what ``Tuner.lr_find`` returns), in order."""
+    learning_rates: dict[str, Any] | None = None
+    """The module's learning rate by name (``lr``, ``learning_rate``; an attribute or a hyperparameter),
+    which the learning-rate finder sets to its suggestion."""
+
+
+LEARNING_RATES = ("lr", "learning_rate")
+"""The names Lightning's learning-rate finder looks for (and sets) on a module or in its hparams."""
 
 
 def result_path(workdir: Path, rank: int) -> Path:
@@ -73,7 +86,9 @@ def _save_atomically(obj: Any, path: Path) -> None:
     os.replace(tmp, path)
 
 
-def write_worker_result(workdir: Path, rank: int, value: Any, trainer: pl.Trainer | None) -> None:
+def write_worker_result(
+    workdir: Path, rank: int, value: Any, trainer: pl.Trainer | None, tuner_exit: bool = False
+) -> None:
     """Worker side, after the function returned: weights (when fitting), then the result marking success."""
     if trainer is None:
         _save_atomically(WorkerResult(rank, move_data_to_device(value, "cpu")), result_path(workdir, rank))
@@ -86,10 +101,13 @@ def write_worker_result(workdir: Path, rank: int, value: Any, trainer: pl.Traine
     result = WorkerResult(
         rank=rank,
         value=move_data_to_device(value, "cpu"),
+        tuner_exit=tuner_exit,
         trainer_state=trainer.state,
         fit_loop_state=trainer.fit_loop.state_dict() if fitting else None,
         callback_metrics=move_data_to_device(dict(trainer.callback_metrics), "cpu"),
         callback_states=_callback_states(trainer),
+        lr_finders=tuple(c.optimal_lr for c in trainer.callbacks if isinstance(c, LearningRateFinder)),
+        learning_rates=_learning_rates(trainer.lightning_module),
     )
     _save_atomically(result, result_path(workdir, rank))
 
@@ -111,6 +129,12 @@ def _callback_states(trainer: pl.Trainer) -> dict[str, dict[str, Any]]:
             continue
         states[callback.state_key] = state
     return states
+
+
+def _learning_rates(module: pl.LightningModule) -> dict[str, Any]:
+    return {
+        name: lightning_getattr(module, name) for name in LEARNING_RATES if lightning_hasattr(module, name)
+    }
 
 
 def write_worker_error(workdir: Path, rank: int, error: BaseException) -> None:
@@ -174,6 +198,13 @@ def restore_in_main_process(
             # loads the rest of its state only for the directory it was saved for.
             callback.dirpath = state.get("dirpath")
         callback.load_state_dict(state)
+    finders = [callback for callback in trainer.callbacks if isinstance(callback, LearningRateFinder)]
+    for finder, found in zip(finders, result.lr_finders, strict=False):
+        finder.optimal_lr = found
+    module = trainer.lightning_module
+    for name, rate in (result.learning_rates or {}).items():
+        if lightning_hasattr(module, name):
+            lightning_setattr(module, name, rate)
     if weights:
         incompatible = trainer.lightning_module.load_state_dict(weights, strict=False)
         if incompatible.missing_keys or incompatible.unexpected_keys:

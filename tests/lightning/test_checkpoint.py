@@ -240,6 +240,27 @@ def test_a_group_takes_the_saved_hyperparameters_as_torch_loads_them(saved: Path
         assert group["initial_lr"] in (0.01, 0.02)  # the saved value, from the first restore's lr
 
 
+@pytest.mark.timeout(60)
+def test_a_save_before_the_first_update_changes_nothing_and_resumes_as_a_fresh_optimizer(tmp_path: Path):
+    """torch makes a fresh optimizer's state for its state dict by stepping it with zero gradients (Adam's
+    step count 1): saved so, a run that checkpointed before its first update (Lightning's learning-rate
+    finder does) would train otherwise than one that did not, and so would its resume."""
+    shard = Shard(range(NUM_LAYERS))
+    optimizer = make_optimizer(shard)
+    write_shard(tmp_path / "fresh", shard, [optimizer], "s0")
+    write_metadata(tmp_path / "fresh", METADATA, {layer: "s0" for layer in range(NUM_LAYERS)})
+    assert not optimizer.state
+    train(shard, optimizer, TRAIN_STEPS)
+    assert_same_state(shard, optimizer, TRAIN_STEPS)
+
+    resumed = Shard(range(NUM_LAYERS), seed=999)
+    resumed_optimizer = make_optimizer(resumed, lr=0.5)
+    load_sharded(tmp_path / "fresh", resumed, [resumed_optimizer])
+    assert not resumed_optimizer.state
+    train(resumed, resumed_optimizer, TRAIN_STEPS)
+    assert_same_state(resumed, resumed_optimizer, TRAIN_STEPS)
+
+
 def test_not_a_checkpoint_is_a_clear_error(tmp_path: Path):
     with pytest.raises(FileNotFoundError, match="not a sharded Oobleck checkpoint"):
         load_metadata(tmp_path)

@@ -29,6 +29,7 @@ import lightning as L
 import pytest
 import torch
 from lightning.pytorch.callbacks import EarlyStopping, LearningRateMonitor, ModelCheckpoint
+from lightning.pytorch.tuner import Tuner
 from lightning.pytorch.utilities.model_summary import ModelSummary
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
@@ -563,6 +564,43 @@ def test_the_model_summary_counts_the_whole_model_as_one_device_does() -> None:
     # a forward that needs real values: FLOPs not counted, said as Lightning says it (n/a), nothing raised
     assert PipelineSummary(KeepsThePositive(), max_depth=1).total_flops == 0
     assert dict(PipelineSummary(KeepsThePositive(), max_depth=1).rows())["FLOPs"] == ["n/a"] * 5
+
+
+class FindsItsRate(Regressor):
+    """A learning rate the finder can set (Lightning's convention: ``lr`` on the module)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lr = 1e-2
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.AdamW(self.parameters(), lr=self.lr)
+
+
+def find_the_rate_then_fit(**trainer: Any) -> tuple[Any, FindsItsRate]:
+    """As Lightning's docs: ``Tuner(trainer).lr_find(model)`` sets ``model.lr``; then ``trainer.fit(model)``
+    on the same Trainer."""
+    module = FindsItsRate()
+    run = L.Trainer(max_steps=8, precision="64-true", use_distributed_sampler=False, **trainer)
+    found = Tuner(run).lr_find(module, data(workers=0), data(seed=1, workers=0), num_training=30)
+    run.fit(module, data(workers=0), data(seed=1, workers=0))
+    return found, module
+
+
+@pytest.mark.timeout(240)
+@pytest.mark.slow
+def test_the_learning_rate_finder_and_the_fit_after_it_equal_one_device(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The finder's run (a checkpoint before the first update, the range test, the restore) and the fit it
+    prepares: the same losses, suggestion and weights as on one device (the loaders in their own order)."""
+    monkeypatch.chdir(tmp_path)
+    strategy = OobleckStrategy(microbatch_size=2, planner={"cluster": {"device_memory_bytes": 75_000}})
+    found, trained = find_the_rate_then_fit(strategy=strategy, devices=4)
+    expected, one = find_the_rate_then_fit(strategy="auto", devices=1, enable_model_summary=False)
+    assert found.results["loss"] == pytest.approx(expected.results["loss"], rel=0, abs=1e-9)
+    assert found.suggestion() == expected.suggestion() == trained.lr == one.lr != 1e-2
+    assert_same_weights(dict(trained.state_dict()), dict(one.state_dict()))
 
 
 class Data(L.LightningDataModule):
