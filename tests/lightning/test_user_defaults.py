@@ -28,7 +28,12 @@ from typing import Any
 import lightning as L
 import pytest
 import torch
-from lightning.pytorch.callbacks import EarlyStopping, LearningRateMonitor, ModelCheckpoint
+from lightning.pytorch.callbacks import (
+    EarlyStopping,
+    LearningRateMonitor,
+    ModelCheckpoint,
+    StochasticWeightAveraging,
+)
 from lightning.pytorch.tuner import Tuner
 from lightning.pytorch.utilities.model_summary import ModelSummary
 from torch import nn
@@ -564,6 +569,29 @@ def test_the_model_summary_counts_the_whole_model_as_one_device_does() -> None:
     # a forward that needs real values: FLOPs not counted, said as Lightning says it (n/a), nothing raised
     assert PipelineSummary(KeepsThePositive(), max_depth=1).total_flops == 0
     assert dict(PipelineSummary(KeepsThePositive(), max_depth=1).rows())["FLOPs"] == ["n/a"] * 5
+
+
+def average_weights(**trainer: Any) -> dict[str, torch.Tensor]:
+    """Three epochs, weights averaged from the second (Lightning's ``StochasticWeightAveraging``)."""
+    module = Regressor()
+    averaging = StochasticWeightAveraging(swa_lrs=1e-2, swa_epoch_start=1)
+    run = L.Trainer(
+        max_epochs=3, precision="64-true", use_distributed_sampler=False, callbacks=[averaging], **trainer
+    )
+    run.fit(module, data(workers=0), data(seed=1, workers=0))
+    return dict(module.state_dict())
+
+
+@pytest.mark.timeout(240)
+@pytest.mark.slow
+def test_stochastic_weight_averaging_equals_one_device(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Each worker averages the layers it holds; the averaged model that comes back is one device's."""
+    monkeypatch.chdir(tmp_path)
+    strategy = OobleckStrategy(microbatch_size=2, planner={"cluster": {"device_memory_bytes": 75_000}})
+    averaged = average_weights(strategy=strategy, devices=4)
+    assert_same_weights(averaged, average_weights(strategy="auto", devices=1, enable_model_summary=False))
 
 
 class FindsItsRate(Regressor):
