@@ -321,8 +321,9 @@ class OobleckLauncher(Launcher):
         """Run ``function(*args, **kwargs)`` in every worker; return a finished worker's return value.
 
         With ``trainer``, the caller's Trainer also gets that worker's state, loop progress, callback
-        metrics and best checkpoint path, and (when fitting) the model weights merged from the finished
-        workers. Raises :class:`LaunchError` if no worker finished, ``TimeoutError`` past ``timeout_s``.
+        metrics, callbacks' state and learning-rate finding (:func:`restore_in_main_process`), and (when
+        fitting) the model weights merged from the finished workers. Raises :class:`LaunchError` if no worker
+        finished, ``TimeoutError`` past ``timeout_s``.
         """
         if self.start_method != "fork":
             _exit_if_importing_script()
