@@ -563,6 +563,7 @@ def test_the_model_summary_counts_the_whole_model_as_one_device_does() -> None:
     expected = ModelSummary(one, max_depth=1)
     whole = PipelineSummary(Regressor(), max_depth=1)
     totals = ("total_parameters", "trainable_parameters", "total_flops", "total_training_modes")
+    totals = tuple(total for total in totals if hasattr(expected, total))  # FLOPs from Lightning 2.6
     assert [getattr(whole, total) for total in totals] == [getattr(expected, total) for total in totals]
     assert whole.total_flops == 2 * (8 * 32 + 2 * 32 * 32 + 32)  # the four Linear layers, one sample
     assert [flops.strip() for flops in dict(whole.rows())["FLOPs"]] == ["512", "2.0 K", "2.0 K", "64"]
