@@ -356,3 +356,25 @@ def test_a_callback_state_that_cannot_be_pickled_stays_behind_with_a_warning():
         states = _callback_states(trainer)
     assert not [key for key in states if key.endswith("Unpicklable")]
     assert states[stopping.state_key]["patience"] == 3
+
+
+def test_a_callback_state_that_does_not_load_in_the_caller_is_a_warning():
+    """The caller's Trainer loads each callback's state from a finished worker, a step one device never
+    takes: a callback whose load_state_dict() raises there gets a warning, the others their state."""
+    import lightning as L
+    from lightning.pytorch.callbacks import EarlyStopping
+
+    from lightning_oobleck.lightning.results import WorkerResult, restore_in_main_process
+
+    class Strict(L.Callback):
+        def load_state_dict(self, state_dict: dict) -> None:
+            raise KeyError("version")
+
+    strict, stopping = Strict(), EarlyStopping("val_loss", patience=3)
+    trainer = L.Trainer(callbacks=[strict, stopping], logger=False, enable_progress_bar=False)
+    states = {strict.state_key: {}, stopping.state_key: EarlyStopping("val_loss", patience=5).state_dict()}
+    with pytest.warns(
+        UserWarning, match=r"callback \S*Strict did not load.*KeyError.*training itself finished"
+    ):
+        restore_in_main_process(trainer, WorkerResult(0, None, callback_states=states), {})
+    assert stopping.patience == 5
