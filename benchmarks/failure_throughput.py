@@ -49,16 +49,14 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from planner_latency import REROUTING_JOB  # benchmarks/ is the script's directory
+from planner_latency import rerouting_plan  # benchmarks/ is the script's directory
 from rich.console import Console
 from rich.table import Table
 from schedules import COLORS, draw_actions, loss, spawn
 from torch.distributed import TCPStore
 
-from lightning_oobleck.config import load_config
 from lightning_oobleck.execution import PipelineEngine, ProcessGroups
 from lightning_oobleck.planning import ClusterSpec, Plan, make_plan
-from lightning_oobleck.planning.config import PlannerConfig
 from lightning_oobleck.planning.planner import PlannerInputs
 from lightning_oobleck.planning.reconfigure import after_failures, copy_time_s
 from lightning_oobleck.planning.rerouting import (
@@ -374,8 +372,7 @@ def third_way(args: argparse.Namespace, console: Console) -> None:
     re-instantiating at once, on the 64-node x 8-GPU job of ``oobleck simulate``'s example (the plan of
     ``planner_latency.py --rerouting``) after losing node 2, per link bandwidth; and the most that a
     staggered optimizer which keeps the step commit could save there."""
-    job = load_config(PlannerConfig, None, [f"{key}={value}" for key, value in REROUTING_JOB.items()])
-    plan = job.make_plan(job.load_profile())
+    plan = rerouting_plan()
     failed = [2]
     again = after_failures(plan, failed)
     reinstantiated, rerouted = choose_recovery(plan, failed, "reroute").candidates

@@ -165,10 +165,15 @@ def main() -> None:
     console.print(scale)
 
 
+def rerouting_plan() -> Plan:
+    """The planner's plan of :data:`REROUTING_JOB` (the 64-node x 8-GPU job of docs/planning.md)."""
+    job = load_config(PlannerConfig, None, [f"{key}={value}" for key, value in REROUTING_JOB.items()])
+    return job.make_plan(job.load_profile())
+
+
 def rerouting_table() -> Table:
     """Seconds of CPU a rerouting adds to a recovery on every worker, step by step (see the module's doc)."""
-    job = load_config(PlannerConfig, None, [f"{key}={value}" for key, value in REROUTING_JOB.items()])
-    plan = job.make_plan(job.load_profile())
+    plan = rerouting_plan()
     failed = [plan.pipelines[0].nodes[len(plan.pipelines[0].nodes) // 2]]
     timings: list[tuple[str, float]] = []
 
